@@ -1,0 +1,1 @@
+"""Checks every implementation against every oracle, bit for bit; reproduces the challenge benchmark."""
