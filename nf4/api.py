@@ -1,0 +1,316 @@
+"""`nf4.dequantize`: the public entry point, a drop-in for bitsandbytes' and Unsloth's dequantize.
+
+The call path is kept short: inputs are checked, the output is allocated, and a compiled kernel
+cached for this configuration is launched directly (Triton's JIT dispatch costs more host time
+than the whole kernel on small weights). No device-to-host synchronisation happens per call: the
+offset is read by the kernel from device memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+
+import numpy as np
+import torch
+import triton
+
+from reference.format import ABSMAX_BLOCKSIZE, BLOCKSIZES, NF4_CODE
+
+from .kernel import nf4_dequantize_kernel
+
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PACKED_DTYPES = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32)
+_INT32_LIMIT = 2**31 - 1
+
+# Tuned on an H100/H200 (see experiments/ and results/): bytes of packed weights per program.
+TILE_BYTES = 1024  # one 32-bit word per thread (see nf4/kernel.py)
+NUM_WARPS = 8
+CODEBOOK = 0  # 0: table gather, 1: select tree
+EVICT_STREAM = "evict_first"
+STORE_CM = ""  # cache modifier of the output stores
+BF16_BITS = False  # on the GPU: native cvt.rn.bf16.f32; the interpreter always rounds with integer ops
+
+_code_cache: dict[tuple, torch.Tensor] = {}
+_dummy_cache: dict[torch.device, torch.Tensor] = {}
+_compiled: dict[tuple, object] = {}
+_plans: dict[int, _Plan] = {}
+
+
+class _Plan:
+    """A validated (packed, quant_state) with its compiled kernel, for the fast repeat call.
+
+    Holds the exact objects it validated; a later call reuses it only if the caller passes the
+    same packed tensor and the quant_state still holds the same tensors, shape and dtype. Then a
+    call costs one allocation and one launch through Triton's C launcher (raw pointers, the raw
+    CUDA stream), skipping the Python-level checks and Triton's JIT dispatch.
+    """
+
+    __slots__ = ("absmax", "args_post", "args_pre", "device", "device_index", "dtype", "function", "grid_x",
+                 "launch", "metadata", "offset", "out_dtype", "packed", "packed_ptr", "shape", "state2",
+                 "state2_absmax", "transpose")
+
+    def matches(self, packed, qs) -> bool:
+        return (packed is self.packed and qs.absmax is self.absmax and qs.shape is self.shape
+                and qs.dtype is self.dtype and qs.state2 is self.state2 and qs.offset is self.offset
+                and (self.state2 is None or self.state2.absmax is self.state2_absmax)
+                and packed.data_ptr() == self.packed_ptr)
+
+    def run(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
+        self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), self.function, self.metadata, None, None,
+                    None, *self.args_pre, out.data_ptr(), *self.args_post)
+        return out.t() if self.transpose else out
+
+
+def _hooks_active() -> bool:
+    """Whether a launch hook (a profiler) is installed; Triton 3.6+ keeps them in (possibly empty) chains."""
+    from triton import knobs
+
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _raw_stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _make_plan(packed, qs, compiled, args, grid_x, out_dtype) -> None:
+    """Remember a validated call so the next identical one can skip straight to the launcher."""
+    if _hooks_active():
+        return  # profiling hooks want the full path
+    plan = _Plan()
+    plan.packed, plan.absmax, plan.shape, plan.dtype = packed, qs.absmax, qs.shape, qs.dtype
+    plan.state2 = getattr(qs, "state2", None) if getattr(qs, "nested", False) else None
+    plan.offset = getattr(qs, "offset", None) if plan.state2 is not None else None
+    plan.state2_absmax = plan.state2.absmax if plan.state2 is not None else None
+    plan.packed_ptr = packed.data_ptr()
+    plan.device, plan.device_index, plan.out_dtype = packed.device, packed.device.index, out_dtype
+    plan.transpose = packed.shape[0] == 1
+    plan.grid_x = grid_x
+    plan.launch, plan.function, plan.metadata = compiled.run, compiled.function, compiled.packed_metadata
+    plan.args_pre = tuple(a.data_ptr() for a in args[:6])
+    plan.args_post = args[7:]
+    key = id(qs)
+    if key not in _plans:
+        weakref.finalize(qs, _plans.pop, key, None)
+    _plans[key] = plan
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _code_table(device: torch.device, codebook: int = 0) -> torch.Tensor:
+    """The NF4 levels on `device`: 16 float32, or (codebook 2) 256 pairs packed as uint64 words.
+
+    Pair b holds the float32 bits of NF4[b >> 4] (low half) and NF4[b & 15] (high half).
+    """
+    key = (device, codebook == 2)
+    t = _code_cache.get(key)
+    if t is None:
+        if codebook == 2:
+            bits = NF4_CODE.view(np.uint32).astype(np.uint64)
+            b = np.arange(256)
+            pairs = bits[b >> 4] | (bits[b & 15] << np.uint64(32))
+            t = torch.from_numpy(pairs.view(np.int64).copy()).to(device)
+        else:
+            t = torch.from_numpy(NF4_CODE.copy()).to(device)
+        _code_cache[key] = t
+    return t
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    t = _dummy_cache.get(device)
+    if t is None:
+        t = torch.zeros(1, dtype=torch.float32, device=device)
+        _dummy_cache[device] = t
+    return t
+
+
+def _unpack_module(weight, quant_state):
+    """Accept a Linear4bit module, a Params4bit, or (packed tensor, QuantState)."""
+    if quant_state is None:
+        inner = getattr(weight, "weight", None)
+        if inner is not None and hasattr(inner, "quant_state"):  # bnb.nn.Linear4bit
+            weight = inner
+        quant_state = getattr(weight, "quant_state", None)
+        if quant_state is None:
+            raise TypeError("quant_state is required unless weight is a bitsandbytes Linear4bit or Params4bit "
+                            f"carrying one; got {type(weight).__name__} without quant_state")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a packed torch.Tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
+    return weight, quant_state
+
+
+def _check_state(packed: torch.Tensor, qs, dtype):
+    """Validate a QuantState against its packed tensor; return the launch parameters."""
+    quant_type = getattr(qs, "quant_type", None)
+    if quant_type != "nf4":
+        raise ValueError(f"quant_state.quant_type must be 'nf4', got {quant_type!r}")
+    blocksize = qs.blocksize
+    if blocksize not in BLOCKSIZES:
+        raise ValueError(f"quant_state.blocksize must be one of {BLOCKSIZES}, got {blocksize!r}")
+    out_dtype = qs.dtype if dtype is None else dtype
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {out_dtype}")
+    if packed.dtype not in _PACKED_DTYPES:
+        raise TypeError(f"packed weight has dtype {packed.dtype}, expected a quant_storage dtype: {_PACKED_DTYPES}")
+    if not packed.is_contiguous():
+        raise ValueError("packed weight must be contiguous")
+    shape = tuple(qs.shape)
+    n = math.prod(shape)
+    if n <= 0:
+        raise ValueError(f"quant_state.shape must have at least one element, got {shape}")
+    have = packed.numel() * packed.element_size()
+    if have != (n + 1) // 2:
+        raise ValueError(f"packed weight holds {have} bytes, expected {(n + 1) // 2} for quant_state.shape {shape}")
+    device = packed.device
+    n_blocks = -(-n // blocksize)
+    absmax = qs.absmax
+    if not isinstance(absmax, torch.Tensor):
+        raise TypeError(f"quant_state.absmax must be a tensor, got {type(absmax).__name__}")
+    if absmax.device != device:
+        raise ValueError(f"quant_state.absmax is on {absmax.device}, expected {device} like the packed weight")
+    if absmax.numel() != n_blocks:
+        raise ValueError(f"quant_state.absmax has {absmax.numel()} elements, expected {n_blocks} "
+                         f"(shape {shape}, blocksize {blocksize})")
+    if not absmax.is_contiguous():
+        raise ValueError("quant_state.absmax must be contiguous")
+    nested = getattr(qs, "nested", False)
+    if nested:
+        if absmax.dtype != torch.uint8:
+            raise TypeError(f"quant_state.absmax must be uint8 with double quantization, got {absmax.dtype}")
+        s2 = qs.state2
+        if s2 is None:
+            raise ValueError("quant_state.state2 is required with double quantization")
+        if s2.blocksize != ABSMAX_BLOCKSIZE:
+            raise ValueError(f"quant_state.state2.blocksize must be {ABSMAX_BLOCKSIZE}, got {s2.blocksize}")
+        absmax2, code2, offset = s2.absmax, s2.code, qs.offset
+        for name, t, numel in (("state2.absmax", absmax2, -(-n_blocks // ABSMAX_BLOCKSIZE)),
+                               ("state2.code", code2, 256), ("offset", offset, 1)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"quant_state.{name} must be a tensor, got {type(t).__name__}")
+            if t.dtype != torch.float32:
+                raise TypeError(f"quant_state.{name} must be float32, got {t.dtype}")
+            if t.numel() != numel:
+                raise ValueError(f"quant_state.{name} has {t.numel()} elements, expected {numel}")
+            if t.device != device:
+                raise ValueError(f"quant_state.{name} is on {t.device}, expected {device} like the packed weight")
+            if not t.is_contiguous():
+                raise ValueError(f"quant_state.{name} must be contiguous")
+    else:
+        if absmax.dtype != torch.float32:
+            raise TypeError(f"quant_state.absmax must be float32 without double quantization, got {absmax.dtype}")
+        absmax2 = code2 = offset = None
+    return shape, n, n_blocks, blocksize, out_dtype, nested, absmax, absmax2, code2, offset
+
+
+def _check_out(out: torch.Tensor, shape, out_dtype, device):
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
+    if out.dtype != out_dtype:
+        raise TypeError(f"out has dtype {out.dtype}, expected {out_dtype}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, expected {device} like the packed weight")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+
+
+def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz,
+           *, tile_bytes=None, num_warps=None, codebook=None, evict_stream=None, store_cm=None, fp_fusion=False,
+           plan_for=None):
+    """Launch the fused kernel on prepared tensors (no checks). Returns `out`.
+
+    The keyword arguments exist for the experiments: meta-parameters, and `fp_fusion=True`, which
+    lets the compiler contract multiply-adds into FMAs (not bit-exact; never used by `dequantize`).
+    """
+    tile_bytes = TILE_BYTES if tile_bytes is None else tile_bytes
+    num_warps = NUM_WARPS if num_warps is None else num_warps
+    codebook = CODEBOOK if codebook is None else codebook
+    evict_stream = EVICT_STREAM if evict_stream is None else evict_stream
+    store_cm = STORE_CM if store_cm is None else store_cm
+    n_bytes = (n + 1) // 2
+    device = packed.device
+    interpreting = device.type != "cuda" or _interpreting()
+    vec = packed.data_ptr() % 4 == 0
+    if vec:
+        tile = max(1, tile_bytes // 4)  # words per program
+        n_words = n_bytes // 4
+        grid = (triton.cdiv(n_words, tile) + (1 if n_bytes % 4 else 0), 1, 1)
+    else:
+        tile = max(1, tile_bytes)  # bytes per program
+        n_words = 0
+        grid = (triton.cdiv(n_bytes, tile), 1, 1)
+    index_64 = n + tile_bytes * 2 + 64 > _INT32_LIMIT
+    if absmax2 is None:
+        absmax2 = code2 = offset = _dummy(device)
+    code = _code_table(device, codebook)
+    asm = ftz and not interpreting
+    bf16_bits = interpreting or BF16_BITS
+    args = (packed, absmax, absmax2, code2, offset, code, out, n, n_bytes, n_words,
+            blocksize, tile, nested, ftz, asm, codebook, vec, index_64, evict_stream, bf16_bits, store_cm)
+    if interpreting:
+        nf4_dequantize_kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=fp_fusion)
+        return out
+    # The key holds every property Triton specialises on, so a cached binary is always valid.
+    key = (device.index, packed.dtype, absmax.dtype, out.dtype, blocksize, tile, nested, ftz, codebook, vec, index_64,
+           evict_stream, bf16_bits, store_cm, num_warps, fp_fusion,
+           n % 16 == 0, n == 1, n_bytes % 16 == 0, n_bytes == 1,
+           absmax.data_ptr() % 16 == 0, absmax2.data_ptr() % 16 == 0,
+           code2.data_ptr() % 16 == 0, offset.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = nf4_dequantize_kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=fp_fusion)
+        _compiled[key] = compiled
+    else:
+        compiled[grid](*args)
+    if plan_for is not None and not fp_fusion:
+        _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], out.dtype)
+    return out
+
+
+def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+               ftz: bool | None = None) -> torch.Tensor:
+    """Dequantize an NF4 weight (double-quantized or not) with one fused Triton kernel.
+
+    weight: a `bnb.nn.Linear4bit`, a `Params4bit`, or the packed tensor (any quant_storage).
+    quant_state: the `bitsandbytes.functional.QuantState` (taken from `weight` when omitted).
+    out: optional preallocated output of `quant_state.shape`, contiguous, on the same device.
+    dtype: output dtype (float16, bfloat16, float32); defaults to `quant_state.dtype`.
+    ftz: flush subnormal float32 operands and products to zero. Default: on for CUDA tensors,
+    matching bitsandbytes' CUDA build; off on CPU (interpreter), matching its CPU routes and
+    the reference's default.
+    Returns the weight in `quant_state.shape`, or its transpose when the packed tensor's
+    `shape[0] == 1` (as bitsandbytes and Unsloth do). Inputs are never modified.
+    """
+    if out is None and dtype is None and ftz is None and not torch.compiler.is_compiling():
+        plan = _plans.get(id(quant_state)) if quant_state is not None else None
+        if plan is not None and plan.matches(weight, quant_state):
+            return plan.run()
+    packed, qs = _unpack_module(weight, quant_state)
+    shape, n, _, blocksize, out_dtype, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, dtype)
+    device = packed.device
+    if ftz is None:
+        ftz = device.type == "cuda"
+    fresh_out = out is None
+    if fresh_out:
+        out = torch.empty(shape, dtype=out_dtype, device=device)
+    else:
+        _check_out(out, shape, out_dtype, device)
+    if torch.compiler.is_compiling():
+        from .ops import dequantize_op
+
+        out = dequantize_op(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)
+    else:
+        plan_for = (packed, qs) if (quant_state is not None and dtype is None and fresh_out
+                                    and ftz == (device.type == "cuda")) else None
+        launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, plan_for=plan_for)
+    if packed.shape[0] == 1:
+        return out.t()
+    return out

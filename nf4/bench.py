@@ -1,0 +1,258 @@
+"""Benchmark `nf4.dequantize` against bitsandbytes, an Unsloth-style baseline and torch.compile.
+
+    python -m nf4.bench                       # the issue's seven weights, results/nf4_bench.json
+    python -m nf4.bench --sweep               # also sweep tile size, warps, codebook, eviction
+    python -m nf4.bench --shapes 8192x2048:fp16 --out /tmp/b.json
+
+Needs a CUDA GPU and bitsandbytes. Every provider is first checked bit-exact against
+bitsandbytes on the same weight; a provider that is not exact is reported and not timed.
+Reports median device time (CUDA events, rotating inputs so L2 holds nothing useful), GB/s and
+% of the device-to-device copy bandwidth measured in the same run, CUDA-graph replay time, host
+time per call, and an empty Triton kernel's JIT launch for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+
+import torch
+import triton
+
+from verify import peers, timing
+
+DEFAULT_CASES = ["8192x2048:fp16", "2048x8192:fp16", "4096x1024:bf16", "1024x4096:bf16",
+                 "14336x4096:bf16", "4096x14336:bf16", "28672x8192:bf16"]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@triton.jit
+def _empty_kernel(x_ptr, n):
+    pass
+
+
+def parse_case(text: str):
+    """'8192x2048:fp16' -> ((8192, 2048), torch.float16)."""
+    dims, _, dt = text.partition(":")
+    return tuple(int(d) for d in dims.split("x")), DTYPES[dt or "fp16"]
+
+
+def make_weights(shape, dtype, blocksize=64, copies=2, seed=0):
+    """Quantize one random weight on the GPU with bitsandbytes; clone it `copies` times for rotation."""
+    import bitsandbytes.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(shape, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
+    packed, qs = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=True, quant_type="nf4")
+    del w
+    sets = [(packed, qs)]
+    for _ in range(copies - 1):
+        q2 = _clone_state(qs)
+        sets.append((packed.clone(), q2))
+    return sets
+
+
+def _clone_state(qs):
+    import copy
+
+    q2 = copy.copy(qs)
+    q2.absmax = qs.absmax.clone()
+    q2.offset = qs.offset.clone()
+    q2.state2 = copy.copy(qs.state2)
+    q2.state2.absmax = qs.state2.absmax.clone()
+    q2.state2.code = qs.state2.code.clone()
+    return q2
+
+
+def providers(include_compile=True):
+    """name -> callable(packed, quant_state) returning the dequantized weight."""
+    import nf4
+
+    provs = {
+        "nf4": lambda p, q: nf4.dequantize(p, q),
+        "bnb.dequantize_4bit": peers.bnb_dequantize,
+        "unsloth_style": lambda p, q: peers.unsloth_fast_dequantize(p, q),
+        "unsloth_style_global_buffer": lambda p, q: peers.unsloth_fast_dequantize(p, q, use_global_buffer=True),
+    }
+    if include_compile:
+        provs["torch.compile"] = peers.make_torch_compile_peer()
+    return provs
+
+
+def bitexact_count(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Number of elements whose bit patterns differ (shape mismatch counts every element)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.numel(), b.numel())
+    iv = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return int((a.contiguous().view(iv) != b.contiguous().view(iv)).sum().item())
+
+
+def bench_case(shape, dtype, provs, copy_gbs, *, reps=100, host=True):
+    n = math.prod(shape)
+    out_bytes = torch.empty((), dtype=dtype).element_size()
+    nbytes = timing.nf4_bytes(n, 64, out_bytes)
+    sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
+    expected = peers.bnb_dequantize(*sets[0])
+    rows = []
+    for name, fn in provs.items():
+        row = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "provider": name, "numel": n,
+               "bytes": nbytes}
+        try:
+            got = fn(*sets[0])
+            row["mismatches"] = bitexact_count(got, expected)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            continue
+        row["bitexact"] = row["mismatches"] == 0
+        if row["bitexact"]:
+            call = (lambda f: (lambda s: f(*s)))(fn)
+            t = timing.device_time_us(call, sets, reps=reps)
+            row.update(device_us=t["median_us"], device_q1_us=t["q1_us"], device_q3_us=t["q3_us"])
+            row["gbs"] = nbytes / (t["median_us"] * 1e-6) / 1e9
+            row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+            g = timing.graph_time_us(call, sets)
+            if g and "median_us" in g:
+                row["graph_us"] = g["median_us"]
+            elif g:
+                row["graph_error"] = g.get("error")
+            if host:
+                row["host_us"] = timing.host_time_us(call, sets, calls=100)["median_us"]
+        rows.append(row)
+        torch.cuda.empty_cache()
+    del sets, expected
+    torch.cuda.empty_cache()
+    return rows
+
+
+def empty_launch_us():
+    """Host time of launching an empty Triton kernel through the JIT, and its device time."""
+    x = torch.empty(16, device="cuda")
+    _empty_kernel[(1,)](x, 16)
+    host = timing.host_time_us(lambda _: _empty_kernel[(1,)](x, 16), [None], calls=500)
+    dev = timing.device_time_us(lambda _: _empty_kernel[(1,)](x, 16), [None], reps=200)
+    return {"host_us": host["median_us"], "device_us": dev["median_us"]}
+
+
+def sweep(cases, copy_gbs, reps=60):
+    """Time nf4 over tile size x warps x codebook x eviction x bf16 rounding; every config checked first."""
+    import nf4
+
+    rows = []
+    grid = [(per * 32 * 4 * w, w, cb, cm) for per in (1, 2, 4) for w in (2, 4, 8) for cb in (0, 2)
+            for cm in ("", ".cs")]
+    for shape, dtype in cases:
+        n = math.prod(shape)
+        out_bytes = torch.empty((), dtype=dtype).element_size()
+        nbytes = timing.nf4_bytes(n, 64, out_bytes)
+        sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
+        expected = peers.bnb_dequantize(*sets[0])
+        bf16_opts = [False]
+        for (tile, warps, codebook, store_cm), bf16_bits in itertools.product(grid, bf16_opts):
+            nf4.api.BF16_BITS = bf16_bits
+
+            def call(s, tile=tile, warps=warps, codebook=codebook, store_cm=store_cm):
+                p, q = s
+                return _launch_cfg(p, q, tile, warps, codebook, "evict_first", store_cm)
+
+            row = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "tile_bytes": tile,
+                   "num_warps": warps, "codebook": codebook, "evict_stream": "evict_first", "store_cm": store_cm,
+                   "bf16_bits": bf16_bits}
+            row["mismatches"] = bitexact_count(call(sets[0]), expected)
+            if row["mismatches"] == 0:
+                t = timing.device_time_us(call, sets, reps=reps)
+                row["device_us"] = t["median_us"]
+                row["pct_copy"] = 100 * nbytes / (t["median_us"] * 1e-6) / 1e9 / copy_gbs
+            rows.append(row)
+            print(f"  sweep {row}", flush=True)
+        nf4.api.BF16_BITS = False
+        del sets, expected
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _launch_cfg(packed, qs, tile, warps, codebook, evict, store_cm=""):
+    import nf4.api as api
+
+    s2 = qs.state2
+    out = torch.empty(qs.shape, dtype=qs.dtype, device=packed.device)
+    n = math.prod(qs.shape)
+    api.launch(packed, qs.absmax, s2.absmax, s2.code, qs.offset, out, n, qs.blocksize, True, True,
+               tile_bytes=tile, num_warps=warps, codebook=codebook, evict_stream=evict, store_cm=store_cm)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="*", default=DEFAULT_CASES, help="cases like 8192x2048:fp16")
+    ap.add_argument("--out", default="results/nf4_bench.json")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's meta-parameters")
+    ap.add_argument("--sweep-shapes", nargs="*", default=["8192x2048:fp16", "14336x4096:bf16", "28672x8192:bf16"])
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--reps", type=int, default=100)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("nf4.bench needs a CUDA GPU; nothing measured.", file=sys.stderr)
+        return 2
+    env = timing.environment()
+    copy = timing.copy_bandwidth_gbs()
+    empty = empty_launch_us()
+    print(f"{env['device']}  torch {env['torch']}  triton {env['triton']}  bnb {env['bitsandbytes']}  "
+          f"commit {env['commit'][:12]}", flush=True)
+    print(f"copy bandwidth {copy['gbs']:.0f} GB/s; empty Triton JIT launch: host {empty['host_us']:.1f} us, "
+          f"device {empty['device_us']:.1f} us", flush=True)
+    provs = providers(include_compile=not args.no_compile)
+    rows = []
+    for text in args.shapes:
+        shape, dtype = parse_case(text)
+        case_rows = bench_case(shape, dtype, provs, copy["gbs"], reps=args.reps)
+        rows += case_rows
+        for r in case_rows:
+            print("  " + _fmt(r), flush=True)
+    payload = {"env": env, "copy_bandwidth": copy, "empty_triton_launch": empty, "blocksize": 64,
+               "double_quant": True, "rows": rows}
+    if args.sweep:
+        payload["sweep"] = sweep([parse_case(s) for s in args.sweep_shapes], copy["gbs"])
+    path = timing.write_json(args.out, payload)
+    print(f"\nwrote {path}")
+    print(table(payload))
+    return 0
+
+
+def _fmt(r):
+    if "error" in r:
+        return f"{r['provider']:<28} {r['shape']} {r['dtype']}: ERROR {r['error']}"
+    if not r.get("bitexact"):
+        return f"{r['provider']:<28} {r['shape']} {r['dtype']}: NOT bit-exact ({r['mismatches']} elements), not timed"
+    return (f"{r['provider']:<28} {r['shape']} {r['dtype']}: {r['device_us']:8.1f} us  {r['gbs']:7.0f} GB/s "
+            f"{r['pct_copy']:5.1f}%  graph {r.get('graph_us', float('nan')):7.1f} us  "
+            f"host {r.get('host_us', 0):5.1f} us")
+
+
+def table(payload) -> str:
+    """Markdown table of device time per case and provider, with the speedup of nf4 over each."""
+    rows = payload["rows"]
+    cases = []
+    for r in rows:
+        key = (tuple(r["shape"]), r["dtype"])
+        if key not in cases:
+            cases.append(key)
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    lines = ["| weight | dtype | " + " | ".join(names) + " | nf4 % copy |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    for shape, dt in cases:
+        by = {r["provider"]: r for r in rows if tuple(r["shape"]) == shape and r["dtype"] == dt}
+        cells = []
+        for nm in names:
+            r = by.get(nm, {})
+            cells.append(f"{r['device_us']:.1f}" if "device_us" in r else ("n/e" if "mismatches" in r else "err"))
+        pct = by.get("nf4", {}).get("pct_copy")
+        pct_cell = f"{pct:.1f}" if pct is not None else "-"
+        lines.append(f"| {'x'.join(map(str, shape))} | {dt} | " + " | ".join(cells) + f" | {pct_cell} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""The fused NF4 dequantization kernel: both levels of double quantization in one launch.
+
+Work is cut into 32-bit words of packed bytes = 8 weights. A word never straddles an absmax
+block (block sizes are multiples of 32), so each word needs one absmax:
+
+    absmax[b] = (code2[absmax_u8[b]] * absmax2[b // 256]) + offset    (two float32 roundings)
+    out[i]    = round(NF4[nibble(i)] * absmax[i // BLOCKSIZE])         (one float32 product)
+
+Consecutive threads load consecutive words; each thread expands its word into 8 nibbles (element
+2k is the HIGH nibble of byte k) and writes its 8 outputs with one 16-byte store (two for
+float32), so a warp's store covers 512 contiguous bytes. The load and the store share one register
+layout (no shared-memory shuffle). The last 1-3 bytes and packed tensors that are not 4-byte
+aligned take a byte-wise path.
+
+Exactness depends on the compile option `enable_fp_fusion=False` (the launcher always passes
+it): with contraction on, `code2 * absmax2 + offset` becomes one FMA and rounds once, which
+changes about 3 in a million outputs (see experiments). FTZ reproduces the CUDA build of
+bitsandbytes, which flushes subnormal operands and products of its multiplies to signed zero.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from reference.format import NF4_CODE
+
+# The 16 levels as Python floats for the select-tree codebook (exact: float32 -> float64 -> float32).
+_C = [float(v) for v in NF4_CODE]
+FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # smallest normal float32 (constexpr: jit code reads it)
+
+
+@triton.jit
+def _flush(x, FTZ: tl.constexpr):
+    """Flush float32 subnormals to a zero of the same sign when FTZ, else return x unchanged."""
+    if FTZ:
+        x = tl.where(tl.abs(x) < FLT_MIN, x * 0.0, x)
+    return x
+
+
+@triton.jit
+def _to_bf16_rne(y):
+    """float32 -> bfloat16, round to nearest even, with integer ops (quiets NaNs, keeps -0.0).
+
+    Triton's interpreter truncates float32 -> bfloat16 (and its "rtne" mode rounds ties up), so
+    the interpreter takes this path to stay bit-exact; the GPU uses the native conversion unless
+    BF16_BITS is set.
+    """
+    bits = y.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = (bits + 0x7FFF + lsb) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = tl.where(is_nan, (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _nf4_level(nib, code_ptr, CODEBOOK: tl.constexpr):
+    """Float32 NF4 level of each 4-bit code: a gather from the 16-entry table, or a select tree."""
+    if CODEBOOK == 0:
+        v = tl.load(code_ptr + nib, eviction_policy="evict_last")
+    else:
+        b0 = (nib & 1) != 0
+        b1 = (nib & 2) != 0
+        b2 = (nib & 4) != 0
+        b3 = (nib & 8) != 0
+        v01 = tl.where(b0, -0.6961928009986877, -1.0)
+        v23 = tl.where(b0, -0.39491748809814453, -0.5250730514526367)
+        v45 = tl.where(b0, -0.18477343022823334, -0.28444138169288635)
+        v67 = tl.where(b0, 0.0, -0.09105003625154495)
+        v89 = tl.where(b0, 0.16093020141124725, 0.07958029955625534)
+        vab = tl.where(b0, 0.33791524171829224, 0.24611230194568634)
+        vcd = tl.where(b0, 0.5626170039176941, 0.44070982933044434)
+        vef = tl.where(b0, 1.0, 0.7229568362236023)
+        v03 = tl.where(b1, v23, v01)
+        v47 = tl.where(b1, v67, v45)
+        v8b = tl.where(b1, vab, v89)
+        vcf = tl.where(b1, vef, vcd)
+        v07 = tl.where(b2, v47, v03)
+        v8f = tl.where(b2, vcf, v8b)
+        v = tl.where(b3, v8f, v07).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _mul(a, b, FTZ: tl.constexpr, ASM: tl.constexpr):
+    """float32 a * b, rounded once; with FTZ, subnormal operands and results become signed zeros.
+
+    ASM: use PTX `mul.rn.ftz.f32`, which flushes in the multiplier itself (one instruction);
+    otherwise (Triton's interpreter has no PTX) flush with compares and selects.
+    """
+    if FTZ and ASM:
+        return tl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    elif FTZ:
+        return _flush(_flush(a, True) * _flush(b, True), True)
+    else:
+        return a * b
+
+
+@triton.jit
+def _store_out(out_ptr, idx, y, mask, BF16_BITS: tl.constexpr, STORE_CM: tl.constexpr):
+    """Round float32 to the output dtype (RNE) and store (STORE_CM: PTX cache modifier, e.g. ".cs")."""
+    if BF16_BITS and out_ptr.dtype.element_ty == tl.bfloat16:
+        y_out = _to_bf16_rne(y)
+    else:
+        y_out = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + idx, y_out, mask=mask, cache_modifier=STORE_CM)
+
+
+@triton.jit
+def _absmax_of_block(blk, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                     DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr):
+    """The float32 absmax of blocks `blk`: stored, or code2[u8] * absmax2[blk // 256] + offset."""
+    if DOUBLE_QUANT:
+        q = tl.load(absmax_ptr + blk, mask=ok, other=0)
+        level = tl.load(code2_ptr + q.to(tl.int32), mask=ok, other=0.0, eviction_policy="evict_last")
+        scale2 = tl.load(absmax2_ptr + blk // 256, mask=ok, other=0.0, eviction_policy="evict_last")
+        # Two roundings: a product, then a separate IEEE add (bitsandbytes adds the offset with a
+        # torch op, outside its fast-math kernel). enable_fp_fusion=False keeps them apart.
+        absmax = _mul(level, scale2, FTZ, ASM) + tl.load(offset_ptr)
+    else:
+        absmax = tl.load(absmax_ptr + blk, mask=ok, other=0.0)
+    return absmax
+
+
+@triton.jit
+def _expand_word(word, absmax, code_ptr, FIRST: tl.constexpr, COUNT: tl.constexpr, CODEBOOK: tl.constexpr,
+                 FTZ: tl.constexpr, ASM: tl.constexpr):
+    """[R] uint32 words (4 packed bytes) -> [R, COUNT] float32 weights FIRST.. of the word's 8."""
+    k = FIRST + tl.arange(0, COUNT)
+    # Little-endian: byte j of the word is bits 8j..8j+7; element 2j is its high nibble.
+    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    nib = ((word[:, None] >> shift[None, :]) & 0xF).to(tl.int32)
+    return _mul(_nf4_level(nib, code_ptr, CODEBOOK), absmax[:, None], FTZ, ASM)
+
+
+@triton.jit
+def _expand_word_pairs(word, absmax, pair_ptr, FIRST: tl.constexpr, COUNT: tl.constexpr, FTZ: tl.constexpr,
+                       ASM: tl.constexpr):
+    """Like _expand_word, but one 8-byte gather per packed byte from a 256-entry table of level pairs.
+
+    pair_ptr[b] holds the float32 bits of NF4[b >> 4] in its low half and NF4[b & 15] in its high
+    half, so a byte's two levels arrive in one load (half the gathers of the 16-entry table).
+    """
+    j = FIRST // 2 + tl.arange(0, COUNT // 2)
+    byte = ((word[:, None] >> (j * 8).to(tl.uint32)[None, :]) & 0xFF).to(tl.int32)
+    pair = tl.load(pair_ptr + byte, eviction_policy="evict_last")
+    hi = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    lo = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    levels = tl.reshape(tl.join(hi, lo), (word.shape[0], COUNT))
+    return _mul(levels, absmax[:, None], FTZ, ASM)
+
+
+@triton.jit
+def _store_word(out_ptr, base, word, absmax, code_ptr, m, CODEBOOK: tl.constexpr, FTZ: tl.constexpr,
+                ASM: tl.constexpr, BF16_BITS: tl.constexpr, STORE_CM: tl.constexpr):
+    """Write the 8 weights of one word with 16-byte stores: one for 16-bit outputs, two for float32."""
+    if out_ptr.dtype.element_ty == tl.float32:
+        _store_part(out_ptr, base, word, absmax, code_ptr, m, 0, 4, CODEBOOK, FTZ, ASM, BF16_BITS, STORE_CM)
+        _store_part(out_ptr, base, word, absmax, code_ptr, m, 4, 4, CODEBOOK, FTZ, ASM, BF16_BITS, STORE_CM)
+    else:
+        _store_part(out_ptr, base, word, absmax, code_ptr, m, 0, 8, CODEBOOK, FTZ, ASM, BF16_BITS, STORE_CM)
+
+
+@triton.jit
+def _store_part(out_ptr, base, word, absmax, code_ptr, m, FIRST: tl.constexpr, COUNT: tl.constexpr,
+                CODEBOOK: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr, BF16_BITS: tl.constexpr,
+                STORE_CM: tl.constexpr):
+    """Weights FIRST .. FIRST + COUNT of a word, stored at base + FIRST."""
+    if CODEBOOK == 2:
+        pair_ptr = code_ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
+        y = _expand_word_pairs(word, absmax, pair_ptr, FIRST, COUNT, FTZ, ASM)
+    else:
+        y = _expand_word(word, absmax, code_ptr, FIRST, COUNT, CODEBOOK, FTZ, ASM)
+    _store_out(out_ptr, base + FIRST + tl.arange(0, COUNT)[None, :], y, m, BF16_BITS, STORE_CM)
+
+
+@triton.jit
+def _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, w, ok,
+           BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
+           CODEBOOK: tl.constexpr, EVICT_STREAM: tl.constexpr, BF16_BITS: tl.constexpr, STORE_CM: tl.constexpr):
+    """Whole 32-bit words w: 8 weights each, one 16-byte store per word (two for float32)."""
+    words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    word = tl.load(words_ptr + w, mask=ok, other=0, eviction_policy=EVICT_STREAM)
+    absmax = _absmax_of_block(w // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                              DOUBLE_QUANT, FTZ, ASM)
+    _store_word(out_ptr, w[:, None] * 8, word, absmax, code_ptr, ok[:, None], CODEBOOK, FTZ, ASM, BF16_BITS,
+                STORE_CM)
+
+
+@triton.jit
+def _bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, b, n, n_bytes,
+           BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
+           CODEBOOK: tl.constexpr, BF16_BITS: tl.constexpr):
+    """Bytes b read one by one, masked to n_bytes / n: the tail, and packed tensors not 4-byte aligned."""
+    ok = b < n_bytes
+    byte = tl.load(packed_ptr + b, mask=ok, other=0)
+    absmax = _absmax_of_block((b * 2) // BLOCKSIZE, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                              DOUBLE_QUANT, FTZ, ASM)
+    hi = _mul(_nf4_level((byte >> 4).to(tl.int32), code_ptr, CODEBOOK), absmax, FTZ, ASM)
+    lo = _mul(_nf4_level((byte & 0xF).to(tl.int32), code_ptr, CODEBOOK), absmax, FTZ, ASM)
+    y = tl.interleave(hi, lo)  # element 2k = high nibble of byte k
+    idx = tl.interleave(b * 2, b * 2 + 1)
+    _store_out(out_ptr, idx, y, idx < n, BF16_BITS, "")
+
+
+@triton.jit(do_not_specialize=["n_words"])
+def nf4_dequantize_kernel(
+    # pointers
+    packed_ptr,  # packed NF4 bytes, any storage dtype (read as uint8 / uint32)
+    absmax_ptr,  # uint8 [n_blocks] when DOUBLE_QUANT, else float32 [n_blocks]
+    absmax2_ptr,  # float32 [cdiv(n_blocks, 256)] (unused without DOUBLE_QUANT)
+    code2_ptr,  # float32 [256] second-level map (unused without DOUBLE_QUANT)
+    offset_ptr,  # float32 [1] offset (unused without DOUBLE_QUANT)
+    code_ptr,  # float32 [16] NF4 levels; with CODEBOOK == 2 followed by the 256 level pairs
+    out_ptr,  # output [n] of the output dtype
+    # sizes
+    n,  # number of weights
+    n_bytes,  # number of packed bytes = cdiv(n, 2)
+    n_words,  # whole 32-bit words handled by the word path (0 when VEC is off); not specialised
+    # meta-parameters
+    BLOCKSIZE: tl.constexpr,  # weights per absmax block (32 ... 4096)
+    TILE: tl.constexpr,  # words (VEC) or bytes per program
+    DOUBLE_QUANT: tl.constexpr,
+    FTZ: tl.constexpr,  # flush subnormals like bitsandbytes' CUDA build
+    ASM: tl.constexpr,  # FTZ through PTX mul.rn.ftz.f32 (not in the interpreter)
+    CODEBOOK: tl.constexpr,  # 0: 16-entry table gather, 1: select tree, 2: 256-entry pair table (words)
+    VEC: tl.constexpr,  # 32-bit word loads (needs a 4-byte aligned packed pointer)
+    INDEX_64: tl.constexpr,  # 64-bit offsets for tensors of 2**31 elements and more
+    EVICT_STREAM: tl.constexpr,  # eviction policy for the streamed packed bytes
+    BF16_BITS: tl.constexpr,  # round to bfloat16 with integer ops (needed in the interpreter)
+    STORE_CM: tl.constexpr,  # cache modifier of the output stores ("" or ".cs", ".cg", ...)
+):
+    packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    if VEC:
+        if pid * TILE < n_words:
+            # Consecutive threads take consecutive words, so every warp-wide 16-byte store covers
+            # 512 contiguous bytes. n_words is not specialised by Triton, so the mask below keeps
+            # the load one word per thread (a 16-byte load per thread would make each warp's
+            # stores stride 64 bytes apart, and measured 1.7x slower on an H200).
+            w = pid * TILE + tl.arange(0, TILE)
+            _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, w, w < n_words,
+                   BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, EVICT_STREAM, BF16_BITS, STORE_CM)
+        else:  # the one program past the words: the last 1-3 bytes
+            b = n_words * 4 + tl.arange(0, 4)
+            _bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, b, n, n_bytes,
+                   BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, BF16_BITS)
+    else:
+        b = pid * TILE + tl.arange(0, TILE)
+        _bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, b, n, n_bytes,
+               BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, BF16_BITS)
