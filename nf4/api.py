@@ -25,11 +25,11 @@ _PACKED_DTYPES = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.
 _INT32_LIMIT = 2**31 - 1
 
 # Tuned on an H100/H200 (see experiments/ and results/): bytes of packed weights per program.
-TILE_BYTES = 1024  # one 32-bit word per thread (see nf4/kernel.py)
-NUM_WARPS = 8
+TILE_BYTES = 512  # with 2 warps: two 32-bit words per thread (tuned on an H200, results/nf4_bench.json)
+NUM_WARPS = 2
 CODEBOOK = 0  # 0: table gather, 1: select tree
 EVICT_STREAM = "evict_first"
-STORE_CM = ""  # cache modifier of the output stores
+STORE_CM = ".cs"  # streaming stores: the output is not read back by this kernel
 BF16_BITS = False  # on the GPU: native cvt.rn.bf16.f32; the interpreter always rounds with integer ops
 
 _code_cache: dict[tuple, torch.Tensor] = {}
@@ -261,7 +261,7 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     # The key holds every property Triton specialises on, so a cached binary is always valid.
     key = (device.index, packed.dtype, absmax.dtype, out.dtype, blocksize, tile, nested, ftz, codebook, vec, index_64,
            evict_stream, bf16_bits, store_cm, num_warps, fp_fusion,
-           n % 16 == 0, n == 1, n_bytes % 16 == 0, n_bytes == 1,
+           n % 16 == 0, n == 1, n > _INT32_LIMIT, n_bytes % 16 == 0, n_bytes == 1, n_bytes > _INT32_LIMIT,
            absmax.data_ptr() % 16 == 0, absmax2.data_ptr() % 16 == 0,
            code2.data_ptr() % 16 == 0, offset.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
     compiled = _compiled.get(key)

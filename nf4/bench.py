@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import sys
 
@@ -136,13 +137,14 @@ def empty_launch_us():
     return {"host_us": host["median_us"], "device_us": dev["median_us"]}
 
 
-def sweep(cases, copy_gbs, reps=60):
+def sweep(cases, copy_gbs, reps=60, grid=None):
     """Time nf4 over tile size x warps x codebook x eviction x bf16 rounding; every config checked first."""
     import nf4
 
     rows = []
-    grid = [(per * 32 * 4 * w, w, cb, cm) for per in (1, 2, 4) for w in (2, 4, 8) for cb in (0, 2)
-            for cm in ("", ".cs")]
+    if grid is None:
+        grid = [(per * 32 * 4 * w, w, cb, cm) for per in (1, 2, 4) for w in (2, 4, 8) for cb in (0, 2)
+                for cm in ("", ".cs")]
     for shape, dtype in cases:
         n = math.prod(shape)
         out_bytes = torch.empty((), dtype=dtype).element_size()
@@ -190,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--out", default="results/nf4_bench.json")
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's meta-parameters")
     ap.add_argument("--sweep-shapes", nargs="*", default=["8192x2048:fp16", "14336x4096:bf16", "28672x8192:bf16"])
+    ap.add_argument("--sweep-grid", type=json.loads, default=None,
+                    help='JSON list of [tile_bytes, num_warps, codebook, store_cm] to sweep')
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     ap.add_argument("--reps", type=int, default=100)
     args = ap.parse_args(argv)
@@ -214,7 +218,8 @@ def main(argv=None):
     payload = {"env": env, "copy_bandwidth": copy, "empty_triton_launch": empty, "blocksize": 64,
                "double_quant": True, "rows": rows}
     if args.sweep:
-        payload["sweep"] = sweep([parse_case(s) for s in args.sweep_shapes], copy["gbs"])
+        grid = [tuple(g) for g in args.sweep_grid] if args.sweep_grid else None
+        payload["sweep"] = sweep([parse_case(s) for s in args.sweep_shapes], copy["gbs"], grid=grid)
     path = timing.write_json(args.out, payload)
     print(f"\nwrote {path}")
     print(table(payload))
