@@ -241,8 +241,10 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     vec = packed.data_ptr() % 4 == 0
     if vec:
         tile = max(1, tile_bytes // 4)  # words per program
-        n_words = n_bytes // 4
-        grid = (triton.cdiv(n_words, tile) + (1 if n_bytes % 4 else 0), 1, 1)
+        # Only words whose 8 weights all exist: with odd n the last byte's low nibble is padding,
+        # and a word holding it would write out[n].
+        n_words = n // 8
+        grid = (triton.cdiv(n_words, tile) + (1 if n % 8 else 0), 1, 1)
     else:
         tile = max(1, tile_bytes)  # bytes per program
         n_words = 0
@@ -262,6 +264,7 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     key = (device.index, packed.dtype, absmax.dtype, out.dtype, blocksize, tile, nested, ftz, codebook, vec, index_64,
            evict_stream, bf16_bits, store_cm, num_warps, fp_fusion,
            n % 16 == 0, n == 1, n > _INT32_LIMIT, n_bytes % 16 == 0, n_bytes == 1, n_bytes > _INT32_LIMIT,
+           packed.data_ptr() % 16 == 0,
            absmax.data_ptr() % 16 == 0, absmax2.data_ptr() % 16 == 0,
            code2.data_ptr() % 16 == 0, offset.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
     compiled = _compiled.get(key)

@@ -245,7 +245,7 @@ def nf4_dequantize_kernel(
             w = pid * TILE + tl.arange(0, TILE)
             _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, w, w < n_words,
                    BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, EVICT_STREAM, BF16_BITS, STORE_CM)
-        else:  # the one program past the words: the last 1-3 bytes
+        else:  # the one program past the words: the last 1-4 bytes (fewer than 8 weights)
             b = n_words.to(pid.dtype) * 4 + tl.arange(0, 4)  # int64 with INDEX_64: b * 2 passes 2**31
             _bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, b, n, n_bytes,
                    BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, BF16_BITS)

@@ -1,0 +1,354 @@
+"""`nf4.dequantize` on a CUDA GPU against bitsandbytes' CUDA kernels and the reference, bit for bit.
+
+Skipped without CUDA. Inputs are quantized on the GPU by bitsandbytes. The oracle is
+`bitsandbytes.functional.dequantize_4bit` (CUDA, fast math: subnormal float32 products flush to
+zero), and `reference.dequantize_nf4(..., ftz=True)` beside it; `ftz=False` is checked against the
+reference's IEEE mode. Also: the FMA-contraction trap (a build with enable_fp_fusion=True must
+differ from bitsandbytes where the shipped build does not), a tensor of 2**31 + 3 elements,
+torch.compile with inductor, and a NaN-poisoned `out` at misaligned offsets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+if torch.cuda.is_available():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import nf4
+    import nf4.api
+    import nf4.kernel
+    from reference.format import BLOCKSIZES
+    from verify.exact import assert_bitexact, compare
+
+    F = pytest.importorskip("bitsandbytes.functional")
+    if isinstance(nf4.kernel.nf4_dequantize_kernel, InterpretedFunction):
+        pytest.skip("TRITON_INTERPRET is set: these tests need compiled kernels", allow_module_level=True)
+else:
+    BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+CUDA = "cuda"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+ODD_SHAPES = [(7,), (1, 333), (9, 41, 341), (3, 5, 67)]
+
+
+def _bnb(packed, state):
+    out = F.dequantize_4bit(packed, state, quant_type="nf4")
+    torch.cuda.synchronize()
+    return out
+
+
+def _check_against_both(nf4h, packed, state, got=None):
+    """nf4 (default ftz on CUDA) equals bitsandbytes' CUDA output and the reference with ftz=True."""
+    if got is None:
+        got = nf4.dequantize(packed, state)
+    expect = _bnb(packed, state)
+    assert got.dtype == expect.dtype and got.shape == expect.shape and got.stride() == expect.stride()
+    assert_bitexact(got, expect, name="nf4 vs bitsandbytes CUDA")
+    assert_bitexact(got, nf4h.reference_dequant(packed, state, ftz=True), name="nf4 vs reference ftz=True")
+    return got
+
+
+def _grid_shape(blocksize: int) -> tuple[int]:
+    """Odd numel, a tail block of blocksize // 2 + 1, more than 256 blocks (two state2 scales)."""
+    n_blocks = 300 if blocksize <= 512 else 40
+    return ((n_blocks - 1) * blocksize + blocksize // 2 + 1,)
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("blocksize", BLOCKSIZES)
+def test_blocksizes_vs_bnb(nf4h, blocksize, dtype, double_quant):
+    packed, state = nf4h.quantize(_grid_shape(blocksize), dtype, blocksize, double_quant, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-bs", blocksize, dtype, double_quant))
+    _check_against_both(nf4h, packed, state)
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("blocksize", [32, 64, 4096])
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
+def test_odd_shapes_vs_bnb(nf4h, shape, blocksize, dtype, double_quant):
+    packed, state = nf4h.quantize(shape, dtype, blocksize, double_quant, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-odd", shape, blocksize, dtype, double_quant))
+    _check_against_both(nf4h, packed, state)
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize(("dtype", "out_dtype"), [(a, b) for a, b in itertools.product(DTYPES, DTYPES) if a != b],
+                         ids=lambda d: DT[d])
+def test_out_dtype_vs_bnb(nf4h, dtype, out_dtype, double_quant):
+    """Output dtype other than the quantized one: bitsandbytes via quant_state.dtype, nf4 via dtype=."""
+    packed, state = nf4h.quantize((96, 200), dtype, 64, double_quant, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-dtype", dtype, out_dtype, double_quant))
+    got = nf4.dequantize(packed, state, dtype=out_dtype)
+    _check_against_both(nf4h, packed, nf4h.clone_state(state, dtype=out_dtype), got)
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("shape", [(40, 96), (7,), (2,), (1, 1), (1, 333)], ids=str)
+def test_row_packed_vs_bnb(nf4h, shape, dtype, double_quant):
+    """A packed tensor of shape (1, k): both return the transpose."""
+    packed, state = nf4h.quantize(shape, dtype, 64, double_quant, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-shim", shape, dtype, double_quant))
+    row = packed.reshape(1, -1)
+    got = _check_against_both(nf4h, row, state)
+    if len(shape) == 2:
+        assert tuple(got.shape) == shape[::-1]
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("shape", [(7,), (33, 96), (5, 4099)], ids=str)
+@pytest.mark.parametrize("quant_storage", [torch.uint8, torch.bfloat16, torch.float32], ids=str)
+def test_quant_storage_vs_bnb(nf4h, quant_storage, shape, double_quant):
+    dtype = torch.bfloat16 if quant_storage == torch.bfloat16 else torch.float16
+    packed, state = nf4h.quantize(shape, dtype, 64, double_quant, device=CUDA, quant_storage=quant_storage,
+                                  seed=nf4h.case_seed("gpu-storage", quant_storage, shape, double_quant))
+    assert packed.dtype == quant_storage
+    _check_against_both(nf4h, packed, state)
+
+
+@pytest.mark.parametrize("byte_offset", [1, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("shape", [(7,), (33, 96), (9, 41, 341)], ids=str)
+def test_misaligned_packed_vs_bnb(nf4h, shape, dtype, byte_offset):
+    """Packed bytes that do not start on a 16-byte boundary (a view into a larger buffer)."""
+    packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-misaligned", shape, dtype, byte_offset))
+    buf = torch.zeros(packed.numel() + 32, dtype=torch.uint8, device=CUDA)
+    view = buf[byte_offset : byte_offset + packed.numel()].view(-1, 1)
+    view.copy_(packed)
+    assert view.data_ptr() % 16 == byte_offset % 16 and view.is_contiguous()
+    _check_against_both(nf4h, view, state)
+
+
+def _which_reference(nf4h, packed, state, got):
+    names = []
+    for ftz in (True, False):
+        if compare(got, nf4h.reference_dequant(packed, state, ftz=ftz)).ok:
+            names.append(f"ftz={ftz}")
+    return " and ".join(names) or "neither mode"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_subnormal_products_vs_bnb(nf4h, double_quant, dtype):
+    """Crafted tiny absmax2/offset (or absmax): the flush-to-zero model against the CUDA build itself."""
+    packed, state = nf4h.quantize((300 * 32 + 7,), dtype, 32, double_quant, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-tiny", double_quant, dtype))
+    tiny = nf4h.tiny_state(state, nf4h.case_seed("gpu-tiny-state", double_quant))
+    before = nf4h.snapshot(packed, tiny)
+    got = nf4.dequantize(packed, tiny)  # ftz defaults to True on CUDA
+    expect = _bnb(packed, tiny)
+    result = compare(got, expect, name="nf4 vs bitsandbytes CUDA (subnormal products)")
+    assert result.ok, (f"{result}\nbitsandbytes matches the reference with "
+                       f"{_which_reference(nf4h, packed, tiny, expect)}; nf4 matches it with "
+                       f"{_which_reference(nf4h, packed, tiny, got)}")
+    assert_bitexact(got, nf4h.reference_dequant(packed, tiny, ftz=True), name="nf4 vs reference ftz=True")
+    nf4h.assert_unchanged(before, packed, tiny)
+    if dtype != torch.float16:
+        assert not compare(got, nf4h.reference_dequant(packed, tiny, ftz=False)).ok, "no subnormal reached the output"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_ftz_off_vs_reference(nf4h, double_quant, dtype):
+    packed, state = nf4h.quantize((300 * 32 + 7,), dtype, 32, double_quant, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-ieee", double_quant, dtype))
+    tiny = nf4h.tiny_state(state, nf4h.case_seed("gpu-ieee-state", double_quant))
+    got = nf4.dequantize(packed, tiny, ftz=False)
+    assert_bitexact(got, nf4h.reference_dequant(packed, tiny, ftz=False), name="nf4 ftz=False vs reference")
+
+
+class _Recorder:
+    """Stands in for the kernel inside nf4.api so that a test sees exactly what launch would launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def _recorded_launch(monkeypatch, packed, state, out, ftz):
+    recorder = _Recorder()
+    with monkeypatch.context() as m:
+        m.setattr(nf4.api, "nf4_dequantize_kernel", recorder)
+        m.setattr(nf4.api, "_compiled", {})  # no cached binary may bypass the recorder
+        nf4.launch(packed, state.absmax, state.state2.absmax, state.state2.code, state.offset, out, out.numel(),
+                   state.blocksize, True, ftz)
+    assert len(recorder.calls) == 1
+    return recorder.calls[0]
+
+
+def test_fma_contraction_changes_bits(nf4h, monkeypatch, record_property):
+    """8192x2048 fp16: the shipped build is bit-exact with bitsandbytes, an FMA-contracted build is not.
+
+    The contracted build runs with FTZ off: the flush select between `code2 * absmax2` and `+ offset`
+    would otherwise keep the compiler from fusing them. These weights have no subnormal products, so
+    FTZ does not change the result (checked).
+    """
+    packed, state = nf4h.quantize((8192, 2048), torch.float16, 64, True, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-fma"))
+    expect = _bnb(packed, state)
+    assert_bitexact(nf4.dequantize(packed, state), expect, name="shipped build (ftz) vs bitsandbytes")
+    assert_bitexact(nf4.dequantize(packed, state, ftz=False), expect, name="shipped build (ieee) vs bitsandbytes")
+
+    out = torch.empty(8192, 2048, dtype=torch.float16, device=CUDA)
+    grid, args, kwargs = _recorded_launch(monkeypatch, packed, state, out, False)
+    assert kwargs.get("enable_fp_fusion") is False, f"nf4.launch compiles with {kwargs}"
+    compiled = nf4.kernel.nf4_dequantize_kernel[grid](*args, **{**kwargs, "enable_fp_fusion": True})
+    torch.cuda.synchronize()
+    fmas = compiled.asm["ptx"].count("fma.rn.f32") if hasattr(compiled, "asm") else -1
+    result = compare(out, expect, name="contracted build vs bitsandbytes")
+    record_property("fma_mismatches", result.count)
+    print(f"enable_fp_fusion=True: {result.count} of {result.total} outputs differ; {fmas} fma.rn.f32 in the PTX")
+    if result.count == 0:
+        pytest.xfail(f"contraction changed 0 of {result.total} outputs on {torch.cuda.get_device_name()} "
+                     f"({fmas} fma.rn.f32 in the PTX)")
+    assert result.count > 0
+
+
+# Runs in a child process: an out-of-bounds access there poisons only that CUDA context, not the
+# rest of this module's tests.
+BIG_CHILD = r"""
+import sys
+import torch
+
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from conftest import KernelTestHelpers as H
+import bitsandbytes.functional as F
+import nf4
+from reference.format import ABSMAX_BLOCKSIZE
+from verify.exact import assert_bitexact
+
+mode, n, n_small, blocksize = sys.argv[1], 2**31 + 3, 2**31 - 5, 64
+span = blocksize * ABSMAX_BLOCKSIZE
+n_blocks = -(-n // blocksize)
+g = torch.Generator(device="cuda").manual_seed(H.case_seed("gpu-2**31"))
+raw = torch.randint(0, 256, ((n + 1) // 2 + 1,), dtype=torch.uint8, device="cuda", generator=g)
+flat = raw[1:] if mode == "misaligned" else raw[:-1]  # misaligned: the byte path instead of 32-bit words
+absmax_u8 = torch.randint(0, 256, (n_blocks,), dtype=torch.uint8, device="cuda", generator=g)
+absmax2 = torch.rand(-(-n_blocks // ABSMAX_BLOCKSIZE), device="cuda", generator=g) + 0.5
+state2 = F.QuantState(absmax=absmax2, code=F.create_dynamic_map().to("cuda"), blocksize=ABSMAX_BLOCKSIZE,
+                      dtype=torch.float32)
+state = F.QuantState(absmax=absmax_u8, shape=torch.Size([n]), blocksize=blocksize, quant_type="nf4",
+                     dtype=torch.float16, offset=torch.tensor(0.0625, device="cuda"), state2=state2)
+out = torch.empty(n, dtype=torch.float16, device="cuda")
+
+
+def prefix_state(m):
+    # The first m weights: views of the same buffers, so the pointers (and alignment) are shared.
+    s2 = F.QuantState(absmax=absmax2[: -(-m // span)], code=state2.code, blocksize=ABSMAX_BLOCKSIZE,
+                      dtype=torch.float32)
+    return F.QuantState(absmax=absmax_u8[: -(-m // blocksize)], shape=torch.Size([m]), blocksize=blocksize,
+                        quant_type="nf4", dtype=torch.float16, offset=state.offset, state2=s2)
+
+
+def check(got, st, start, stop):
+    # Reference on [start, stop) only: start is a multiple of 256 blocks, so absmax2 slices cleanly.
+    b0, b1 = start // blocksize, -(-stop // blocksize)
+    s2 = F.QuantState(absmax=st.state2.absmax[start // span : -(-b1 // ABSMAX_BLOCKSIZE)].cpu(),
+                      code=st.state2.code.cpu(), blocksize=ABSMAX_BLOCKSIZE, dtype=torch.float32)
+    sub = F.QuantState(absmax=st.absmax[b0:b1].cpu(), shape=torch.Size([stop - start]), blocksize=blocksize,
+                       quant_type="nf4", dtype=torch.float16, offset=st.offset.cpu(), state2=s2)
+    packed = flat[start // 2 : (stop + 1) // 2].cpu().reshape(-1, 1)
+    assert_bitexact(got[start:stop], H.reference_dequant(packed, sub, ftz=True),
+                    name=f"{mode}: n={st.shape[0]}, [{start}, {stop})")
+
+
+if mode == "after-int32-call":
+    small = prefix_state(n_small)
+    got = nf4.dequantize(flat[: (n_small + 1) // 2].view(-1, 1), small, out=out[:n_small])
+    torch.cuda.synchronize()
+    check(got, small, (n_small - 3 * span) // span * span, n_small)
+got = nf4.dequantize(flat.view(-1, 1), state, out=out)
+torch.cuda.synchronize()
+assert got.data_ptr() == out.data_ptr()
+for start, stop in [(0, 2 * span), (2**31 - 2 * span, n), (2**30 + 7 * span, 2**30 + 9 * span)]:
+    check(got, state, start, stop)
+print("bit-exact")
+"""
+
+
+@pytest.mark.parametrize("mode", ["alone", "misaligned", "after-int32-call"])
+def test_more_than_2_31_elements(mode):
+    """2**31 + 3 weights (random packed bytes, double quant, fp16 out): slices at the start, around
+    2**31 and at the end match the reference. "misaligned" starts the packed bytes one byte past a
+    16-byte boundary. "after-int32-call" first dequantizes 2**31 - 5 weights
+    (64-bit offsets, but n still fits an int32) from the same buffers: a binary compiled for that
+    call must not be reused for the larger one."""
+    n = 2**31 + 3
+    need = (n + 1) // 2 + 2 * n + n // 64 + (1 << 29)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs about {need / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+    proc = subprocess.run([sys.executable, "-c", BIG_CHILD, mode, str(tests.parent), str(tests)], env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0 and "bit-exact" in proc.stdout, (
+        f"child ({mode}) exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+@pytest.mark.parametrize("with_out", [False, True], ids=["alloc", "out"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DT.get)
+def test_torch_compile_inductor(nf4h, dtype, with_out):
+    from torch._dynamo.utils import counters
+
+    packed, state = nf4h.quantize((1024, 768), dtype, 64, True, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-compile", dtype, with_out))
+    expect = _bnb(packed, state)
+
+    if with_out:
+        def fn(p, buf):
+            return nf4.dequantize(p, state, out=buf)
+        args = (packed, torch.empty(1024, 768, dtype=dtype, device=CUDA))
+    else:
+        def fn(p):
+            return nf4.dequantize(p, state)
+        args = (packed,)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, backend="inductor")
+    got = compiled(*args)
+    torch.cuda.synchronize()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert_bitexact(got, expect, name="torch.compile(inductor) vs bitsandbytes")
+    if with_out:
+        assert_bitexact(args[1], expect, name="out after the compiled call")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("lead", [0, 1, 3, 8])
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize(("shape", "blocksize"), [((7,), 64), ((3, 5, 67), 64), ((1, 333), 32), ((2, 4096), 4096),
+                                                  ((129, 65), 128), ((257, 1029), 64)], ids=str)
+def test_poisoned_out(nf4h, shape, blocksize, out_dtype, lead):
+    """`out` inside a NaN buffer, at aligned and misaligned offsets: all of out written, guards intact."""
+    packed, state = nf4h.quantize(shape, out_dtype, blocksize, True, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-poison", shape, blocksize, out_dtype, lead))
+    buf, out = nf4h.poisoned_out(shape, out_dtype, CUDA, lead=lead)
+    got = nf4.dequantize(packed, state, out=out)
+    torch.cuda.synchronize()
+    assert got is out
+    expect = _bnb(packed, state)
+    assert not torch.isnan(expect).any()
+    assert_bitexact(out, expect, name="poisoned out vs bitsandbytes")
+    nf4h.assert_poison_intact(buf, lead, lead + out.numel())
