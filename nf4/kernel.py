@@ -6,16 +6,22 @@ block (block sizes are multiples of 32), so each word needs one absmax:
     absmax[b] = (code2[absmax_u8[b]] * absmax2[b // 256]) + offset    (two float32 roundings)
     out[i]    = round(NF4[nibble(i)] * absmax[i // BLOCKSIZE])         (one float32 product)
 
-Consecutive threads load consecutive words; each thread expands its word into 8 nibbles (element
-2k is the HIGH nibble of byte k) and writes its 8 outputs with one 16-byte store (two for
-float32), so a warp's store covers 512 contiguous bytes. The load and the store share one register
-layout (no shared-memory shuffle). The last 1-3 bytes and packed tensors that are not 4-byte
-aligned take a byte-wise path.
+Each thread expands a word into its 8 nibbles (element 2k is the HIGH nibble of byte k) and writes
+the 8 outputs with one 16-byte store (two for float32); the stores are laid out so that the
+threads of a warp write consecutive 16-byte pieces, i.e. a warp's store covers 512 contiguous
+bytes. (Giving each thread 16 contiguous packed bytes instead made its four stores land 64 bytes
+apart across the warp and ran markedly slower on an H200: results/tuning/.) With the default
+tile (two words per thread) Triton loads the two words as one 8-byte vector and moves them to the
+store layout through 512 bytes of shared memory; with one word per thread there is no shuffle,
+but that measured slower. Weights past the last whole word (fewer than 8) and packed tensors that
+are not 4-byte aligned take a byte-wise path.
 
-Exactness depends on the compile option `enable_fp_fusion=False` (the launcher always passes
-it): with contraction on, `code2 * absmax2 + offset` becomes one FMA and rounds once, which
-changes about 3 in a million outputs (see experiments). FTZ reproduces the CUDA build of
-bitsandbytes, which flushes subnormal operands and products of its multiplies to signed zero.
+Exactness: the default GPU path multiplies with PTX `mul.rn.ftz.f32` (inline asm), which the
+compiler cannot fuse with the following add, and flushes like bitsandbytes' fast-math CUDA build.
+The IEEE path (ftz=False, and the interpreter) uses plain Triton multiplies and depends on the
+compile option `enable_fp_fusion=False`, which the launcher always passes: with contraction on,
+`code2 * absmax2 + offset` becomes one FMA and rounds once, and some outputs change by one ulp
+(counted on the GPU by experiments v41 and tests/test_nf4_gpu.py).
 """
 
 from __future__ import annotations
