@@ -1,0 +1,68 @@
+"""python -m experiments {list, run, sm75}: see experiments/README.md.
+
+Without a CUDA device, TRITON_INTERPRET=1 is set here, before anything imports triton, so that
+`run` checks the variants in Triton's interpreter. `sm75` (and `run --sm75`) compiles in a child
+process without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
+    run = sub.add_parser("run", help="check every variant bit-exact, then time it (GPU)")
+    run.add_argument("ids", nargs="*", help="variant ids or shell patterns (v3*); default all")
+    run.add_argument("--cases", nargs="+", help="cases like 8192x2048:fp16 or 3x2905:bf16:32 (blocksize); "
+                     "default: the challenge shapes on a GPU, small odd ones in the interpreter")
+    run.add_argument("--check-only", action="store_true", help="check exactness, do not time")
+    run.add_argument("--out", default="results/experiments.json", help="JSON path (a CSV is written next to it)")
+    run.add_argument("--sm75", action="store_true", help="also compile every kernel offline for sm_75 (T4)")
+    run.add_argument("--reps", type=int, default=100, help="timed calls per variant and case")
+    run.add_argument("--inductor-dir", default="results/inductor", help="where v60/v61 save inductor's code")
+    sm = sub.add_parser("sm75", help="only the offline sm_75 compile (no GPU needed)")
+    sm.add_argument("ids", nargs="*")
+    sm.add_argument("--out", default="results/experiments_sm75.json")
+    sm.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
+    args = ap.parse_args(argv)
+
+    from . import runner
+
+    if args.command == "list":
+        print(runner.list_table())
+        return 0
+    if args.command == "sm75":
+        from . import registry, sm75
+
+        ids = [v.id for v in registry.select(args.ids) if v.kernel is not None]
+        result = sm75.compile_in_child(ids, jobs=args.jobs, ptx_dir=args.ptx_dir)
+        from verify.timing import write_json
+
+        path = write_json(args.out, result)
+        runner._write_csv(path.with_suffix(".csv"), result["builds"], sm75.CSV_FIELDS)
+        print(f"wrote {path} and {path.with_suffix('.csv')}")
+        print(sm75.table(result))
+        return 1 if sm75.failures(result) else 0
+    payload = runner.run(args.ids, args.cases, check_only=args.check_only, out=args.out, sm75=args.sm75,
+                         reps=args.reps, inductor_dir=args.inductor_dir)
+    bad = [r for r in payload["rows"] if r["status"] in ("INEXACT", "error") or r.get("error")]
+    if bad:
+        print(f"\n{len(bad)} rows failed: " + ", ".join(f"{r['variant']} {r['case']} ({r['status']})" for r in bad),
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
