@@ -83,11 +83,12 @@ def _serial_sum(x: np.ndarray, lanes: int) -> np.float32:
     return F32(_row_sum(x.reshape(n, 1))[0])
 
 
-def torch_sum_f32(x: np.ndarray, *, lanes: int = 16, num_threads: int = 1) -> np.float32:
+def torch_sum_f32(x: np.ndarray, *, lanes: int = 8, num_threads: int = 1) -> np.float32:
     """`torch.sum` of a contiguous float32 vector on the CPU, bit for bit.
 
-    lanes: `Vectorized<float>::size()` of the kernel torch dispatched to (16 for AVX512, 8 for
-    AVX2). num_threads: `torch.get_num_threads()`; it matters only from GRAIN_SIZE elements on,
+    lanes: the SIMD width of the kernel torch dispatched to, in floats (8 was measured for torch
+    2.13 on an x86-64 AVX512 machine: its reduction ran the 8-lane kernel).
+    num_threads: `torch.get_num_threads()`; it matters only from GRAIN_SIZE elements on,
     where torch splits the vector into one chunk per thread and sums the partial sums.
     """
     x = np.ascontiguousarray(x, dtype=F32).reshape(-1)
@@ -105,7 +106,7 @@ def torch_sum_f32(x: np.ndarray, *, lanes: int = 16, num_threads: int = 1) -> np
     return F32(F32(0) + _serial_sum(partials, lanes))
 
 
-def torch_mean_f32(x: np.ndarray, *, lanes: int = 16, num_threads: int = 1) -> np.float32:
+def torch_mean_f32(x: np.ndarray, *, lanes: int = 8, num_threads: int = 1) -> np.float32:
     """`torch.mean` of a float32 vector on the CPU: the sum above, then one float32 division."""
     x = np.asarray(x, dtype=F32).reshape(-1)
     return F32(torch_sum_f32(x, lanes=lanes, num_threads=num_threads) / F32(x.shape[0]))
@@ -129,7 +130,7 @@ def round_to_f32(value: Fraction) -> np.float32:
 
 
 def torch_linspace_f32(
-    start: float, end: float, steps: int, *, lanes: int = 16, contract: bool = False, contract_lanes: bool | None = None
+    start: float, end: float, steps: int, *, lanes: int = 16, contract: bool = True, contract_lanes: bool | None = None
 ) -> np.ndarray:
     """`torch.linspace(start, end, steps, dtype=torch.float32)` on the CPU, bit for bit.
 

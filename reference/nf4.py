@@ -127,8 +127,10 @@ def quantize_nf4(
         recip = (F32(1) / np.maximum(absmax[: full // blocksize], _CLAMP_MIN)).astype(F32)
         scaled[:full] = (flat[:full].reshape(-1, blocksize) * recip[:, None]).reshape(-1)
     if full < n:
-        absmax[-1] = mag[full:].max()
-        scaled[full:n] = flat[full:] / np.maximum(absmax[-1], _CLAMP_MIN)
+        # The tail block's absmax is stored clamped (bitsandbytes clamps it before concatenating),
+        # unlike the full blocks': an all-zero tail stores 1e-38, not 0.
+        absmax[-1] = np.maximum(mag[full:].max(), _CLAMP_MIN)
+        scaled[full:n] = flat[full:] / absmax[-1]
     np.clip(scaled, F32(-1), F32(1), out=scaled)
     bounds = ((NF4_CODE[:-1] + NF4_CODE[1:]) / F32(2)).astype(F32)
     nibbles = np.searchsorted(bounds, scaled, side="left").astype(np.uint8)
