@@ -47,9 +47,28 @@ class _Plan:
     CUDA stream), skipping the Python-level checks and Triton's JIT dispatch.
     """
 
-    __slots__ = ("absmax", "args_post", "args_pre", "device", "device_index", "dtype", "function", "grid_x",
-                 "launch", "metadata", "offset", "out_dtype", "packed", "packed_ptr", "shape", "state2",
-                 "state2_absmax", "transpose")
+    __slots__ = (
+        "absmax",
+        "args_post",
+        "args_pre",
+        "device",
+        "device_index",
+        "dtype",
+        "function",
+        "grid_x",
+        "launch",
+        "metadata",
+        "offset",
+        "out_dtype",
+        "out_ptr",
+        "out_ref",
+        "packed",
+        "packed_ptr",
+        "shape",
+        "state2",
+        "state2_absmax",
+        "transpose",
+    )
 
     def matches(self, packed, qs) -> bool:
         return (packed is self.packed and qs.absmax is self.absmax and qs.shape is self.shape
@@ -57,8 +76,9 @@ class _Plan:
                 and (self.state2 is None or self.state2.absmax is self.state2_absmax)
                 and packed.data_ptr() == self.packed_ptr)
 
-    def run(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
+    def run(self, out=None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
         self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), self.function, self.metadata, None, None,
                     None, *self.args_pre, out.data_ptr(), *self.args_post)
         return out.t() if self.transpose else out
@@ -78,7 +98,14 @@ def _raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-def _make_plan(packed, qs, compiled, args, grid_x, out_dtype) -> None:
+def _dead() -> None:
+    return None
+
+
+_dead_ref = _dead
+
+
+def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) -> None:
     """Remember a validated call so the next identical one can skip straight to the launcher."""
     if _hooks_active():
         return  # profiling hooks want the full path
@@ -94,6 +121,10 @@ def _make_plan(packed, qs, compiled, args, grid_x, out_dtype) -> None:
     plan.launch, plan.function, plan.metadata = compiled.run, compiled.function, compiled.packed_metadata
     plan.args_pre = tuple(a.data_ptr() for a in args[:6])
     plan.args_post = args[7:]
+    out = args[6]
+    # An `out` the caller passed was checked: remember it (weakly) so reusing it stays on the fast path.
+    plan.out_ref = weakref.ref(out) if not fresh_out else _dead_ref
+    plan.out_ptr = out.data_ptr()
     key = id(qs)
     if key not in _plans:
         weakref.finalize(qs, _plans.pop, key, None)
@@ -274,7 +305,7 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     else:
         compiled[grid](*args)
     if plan_for is not None and not fp_fusion:
-        _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], out.dtype)
+        _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], out.dtype, plan_for[2])
     return out
 
 
@@ -292,10 +323,13 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
     Returns the weight in `quant_state.shape`, or its transpose when the packed tensor's
     `shape[0] == 1` (as bitsandbytes and Unsloth do). Inputs are never modified.
     """
-    if out is None and dtype is None and ftz is None and not torch.compiler.is_compiling():
-        plan = _plans.get(id(quant_state)) if quant_state is not None else None
+    if dtype is None and ftz is None and quant_state is not None and not torch.compiler.is_compiling():
+        plan = _plans.get(id(quant_state))
         if plan is not None and plan.matches(weight, quant_state):
-            return plan.run()
+            if out is None:
+                return plan.run()
+            if plan.out_ref() is out and out.data_ptr() == plan.out_ptr:
+                return plan.run(out)
     packed, qs = _unpack_module(weight, quant_state)
     shape, n, _, blocksize, out_dtype, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, dtype)
     device = packed.device
@@ -311,8 +345,8 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
 
         out = dequantize_op(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)
     else:
-        plan_for = (packed, qs) if (quant_state is not None and dtype is None and fresh_out
-                                    and ftz == (device.type == "cuda")) else None
+        plan_for = (packed, qs, fresh_out) if (quant_state is not None and dtype is None
+                                               and ftz == (device.type == "cuda")) else None
         launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, plan_for=plan_for)
     if packed.shape[0] == 1:
         return out.t()

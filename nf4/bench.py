@@ -71,8 +71,17 @@ def providers(include_compile=True):
     """name -> callable(packed, quant_state) returning the dequantized weight."""
     import nf4
 
+    out_bufs: dict = {}
+
+    def nf4_out(p, q):  # the caller keeps one output buffer per weight (like Unsloth's global buffer)
+        buf = out_bufs.get(id(p))
+        if buf is None:
+            buf = out_bufs[id(p)] = torch.empty(q.shape, dtype=q.dtype, device=p.device)
+        return nf4.dequantize(p, q, out=buf)
+
     provs = {
         "nf4": lambda p, q: nf4.dequantize(p, q),
+        "nf4_out_buffer": nf4_out,
         "bnb.dequantize_4bit": peers.bnb_dequantize,
         "unsloth_style": lambda p, q: peers.unsloth_fast_dequantize(p, q),
         "unsloth_style_global_buffer": lambda p, q: peers.unsloth_fast_dequantize(p, q, use_global_buffer=True),

@@ -352,3 +352,22 @@ def test_poisoned_out(nf4h, shape, blocksize, out_dtype, lead):
     assert not torch.isnan(expect).any()
     assert_bitexact(out, expect, name="poisoned out vs bitsandbytes")
     nf4h.assert_poison_intact(buf, lead, lead + out.numel())
+
+
+def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h):
+    """The cached launch (second call on, with and without out=) stays bit-exact and writes all of out."""
+    import bitsandbytes.functional as F
+
+    import nf4
+
+    x = torch.randn(333, 129, device="cuda").to(torch.bfloat16)
+    packed, state = F.quantize_4bit(x, blocksize=64, compress_statistics=True, quant_type="nf4")
+    expected = F.dequantize_4bit(packed, state, quant_type="nf4")
+    out = torch.full_like(expected, float("nan"))
+    for _ in range(3):
+        got = nf4.dequantize(packed, state)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+        out.fill_(float("nan"))
+        got_out = nf4.dequantize(packed, state, out=out)
+        assert got_out.data_ptr() == out.data_ptr()
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))

@@ -1,7 +1,8 @@
 """GPU timing and provenance shared by nf4.bench, verify and experiments.
 
 Device time: CUDA events around each call, inputs rotated so that the L2 cache (50-60 MB on
-H100/H200) never holds the next call's data, median of many calls after a warm-up. Host time:
+H100/H200) never holds the next call's data, median of many calls after a warm-up; before each
+call the GPU spins for a while so the host has queued the call before the GPU reaches it. Host time:
 wall clock per call without synchronisation (what the CPU spends issuing the work). Wall time:
 the challenge harness's clock, a `torch.cuda.synchronize()` after every call.
 """
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 L2_FLUSH_BYTES = 256 * 2**20  # rotate through at least this many bytes of inputs
+SPIN_CYCLES = 400_000  # GPU clock cycles of busy-wait before each timed call (~0.2 ms)
 
 
 def git_commit() -> str:
@@ -87,6 +89,9 @@ def device_time_us(fn, inputs: list, *, warmup: int = 10, reps: int = 100) -> di
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
+        # Keep the GPU busy while the host issues the call, so the events time the device work and
+        # not the host's launch latency (small weights are host-bound otherwise).
+        torch.cuda._sleep(SPIN_CYCLES)
         starts[i].record()
         fn(inputs[i % len(inputs)])
         ends[i].record()
@@ -149,17 +154,22 @@ def host_time_us(fn, inputs: list, *, calls: int = 200, warmup: int = 20) -> dic
     return {"median_us": statistics.median(batches), "min_us": min(batches), "calls": calls}
 
 
-def wall_time_us(fn, inputs: list, *, iters: int = 1000, warmup: int = 20) -> dict:
-    """The challenge's clock: total wall time of `iters` calls, each followed by a synchronize."""
-    import torch
+def wall_time_us(fn, inputs: list, *, iters: int = 1000, warmup: int = 20, sync=None) -> dict:
+    """The challenge's clock: total wall time of `iters` calls, each followed by a synchronize.
 
+    sync: what "synchronize" means (default `torch.cuda.synchronize`; a no-op for CPU smoke tests).
+    """
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.synchronize
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
-        torch.cuda.synchronize()
+        sync()
     t0 = time.perf_counter()
     for i in range(iters):
         fn(inputs[i % len(inputs)])
-        torch.cuda.synchronize()
+        sync()
     total = time.perf_counter() - t0
     return {"total_s": total, "per_call_us": total * 1e6 / iters, "iters": iters}
 
