@@ -74,9 +74,12 @@ def providers(include_compile=True):
     out_bufs: dict = {}
 
     def nf4_out(p, q):  # the caller keeps one output buffer per weight (like Unsloth's global buffer)
-        buf = out_bufs.get(id(p))
+        key = (p.data_ptr(), tuple(q.shape), q.dtype)
+        buf = out_bufs.get(key)
         if buf is None:
-            buf = out_bufs[id(p)] = torch.empty(q.shape, dtype=q.dtype, device=p.device)
+            if len(out_bufs) > 64:
+                out_bufs.clear()
+            buf = out_bufs[key] = torch.empty(q.shape, dtype=q.dtype, device=p.device)
         return nf4.dequantize(p, q, out=buf)
 
     provs = {
