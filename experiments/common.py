@@ -76,8 +76,10 @@ def unit_plan(packed: torch.Tensor, n: int, tile_bytes: int, unit: int) -> tuple
     """
     n_bytes = (n + 1) // 2
     if packed.data_ptr() % unit == 0:
-        n_units = n_bytes // unit
-        return True, n_units, (triton.cdiv(n_units, tile_bytes // unit) + (1 if n_bytes % unit else 0),)
+        # Only units whose 2 * unit weights all exist: with odd n the last low nibble is padding,
+        # and a unit holding it would write out[n].
+        n_units = n // (2 * unit)
+        return True, n_units, (triton.cdiv(n_units, tile_bytes // unit) + (1 if n % (2 * unit) else 0),)
     return False, 0, (triton.cdiv(n_bytes, tile_bytes),)
 
 
@@ -186,16 +188,17 @@ def word_levels(word, code_ptr, TABLE_EVICT: tl.constexpr):
 
 @triton.jit
 def store_word8(out_ptr, base, word, absmax, code_ptr, mask, FTZ: tl.constexpr, ASM: tl.constexpr,
-                BF16_BITS: tl.constexpr, TABLE_EVICT: tl.constexpr = "evict_last", STORE_CACHE: tl.constexpr = "",
-                STORE_EVICT: tl.constexpr = ""):
+                BF16_BITS: tl.constexpr, TABLE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+                STORE_EVICT: tl.constexpr):
     """The 8 weights of each word [R] -> outputs base .. base + 7 ([R, 1] base; one 16-byte store in 16 bits)."""
     y = _mul(word_levels(word, code_ptr, TABLE_EVICT), absmax[:, None], FTZ, ASM)
     store_rounded(out_ptr, base + tl.arange(0, 8)[None, :], y, mask, BF16_BITS, STORE_CACHE, STORE_EVICT)
 
 
 @triton.jit
-def store_rounded(out_ptr, idx, y, mask, BF16_BITS: tl.constexpr, STORE_CACHE: tl.constexpr = "",
-                  STORE_EVICT: tl.constexpr = ""):
+def store_rounded(out_ptr, idx, y, mask, BF16_BITS: tl.constexpr, STORE_CACHE: tl.constexpr,
+                  STORE_EVICT: tl.constexpr):
+    # No default values on constexpr parameters: Triton 3.6 cannot compile a call that relies on one.
     """Round float32 `y` to the output dtype (RNE; integer ops for bf16 when BF16_BITS) and store it."""
     if BF16_BITS and out_ptr.dtype.element_ty == tl.bfloat16:
         y_out = _to_bf16_rne(y)
@@ -217,6 +220,6 @@ def tail_bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_
     lo = _mul(_nf4_level((byte & 0xF).to(tl.int32), code_ptr, 0), absmax, FTZ, ASM)
     y = tl.reshape(tl.join(hi, lo), (2 * b.shape[0],))  # element 2k = high nibble of byte k
     idx = tl.reshape(tl.join(b * 2, b * 2 + 1), (2 * b.shape[0],))
-    store_rounded(out_ptr, idx, y, idx < n, BF16_BITS)
+    store_rounded(out_ptr, idx, y, idx < n, BF16_BITS, "", "")
 
 ARTIFACT_DIR = "results/inductor"  # where v60/v61 save inductor's generated code; the runner may change it

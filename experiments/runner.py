@@ -191,7 +191,7 @@ def check_variant(variant: registry.Variant, sets: list[tuple], expected: torch.
         if gpu:
             torch.cuda.synchronize()
     except Exception as exc:  # a failing variant is a row, not the end of the run
-        return {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
+        return {"status": "error", "error": _short_error(exc)}
     count, total, first = mismatches(got, expected)
     if count == 0:
         status = "exact"
@@ -267,7 +267,7 @@ def run(ids: list[str] | None = None, case_texts: list[str] | None = None, *, ch
                 try:
                     row.update(time_variant(v, sets, case, copy["gbs"], reps))
                 except Exception as exc:
-                    row["error"] = f"timing: {type(exc).__name__}: {exc}"[:500]
+                    row["error"] = "timing: " + _short_error(exc)
             payload["rows"].append(row)
             progress.step(f"{v.id} {case.text}")
         del sets, expected
@@ -349,3 +349,9 @@ def list_table() -> str:
         lines.append(f"{v.id:<{width}}  {v.parent or '-':<{pwidth}}  {flags}    {v.change}{extra}")
     lines.append(f"{len(found)} variants")
     return "\n".join(lines)
+
+
+def _short_error(exc: BaseException) -> str:
+    """Type, first and last lines of an exception (a Triton CompilationError puts its reason last)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 600 else text[:200] + " ... " + text[-400:]

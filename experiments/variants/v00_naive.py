@@ -40,7 +40,7 @@ def _naive_kernel(
     offset = tl.load(offset_ptr + offs * 0)  # gathered per element too, on purpose
     absmax = _mul(level2, scale2, FTZ, ASM) + offset
     y = _mul(tl.load(code_ptr + nib), absmax, FTZ, ASM)
-    store_rounded(out_ptr, offs, y, mask, BF16_BITS)
+    store_rounded(out_ptr, offs, y, mask, BF16_BITS, "", "")
 
 
 @register("v00_naive", parent=None, change="one output element per lane; every parameter gathered per element",

@@ -38,7 +38,7 @@ def _byte_pairs_kernel(
     lo = _mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32)), absmax, FTZ, ASM)
     y = tl.reshape(tl.join(hi, lo), (2 * BLOCK,))  # [hi0, lo0, hi1, lo1, ...]
     idx = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-    store_rounded(out_ptr, idx, y, idx < n, BF16_BITS)
+    store_rounded(out_ptr, idx, y, idx < n, BF16_BITS, "", "")
 
 
 @register("v01_byte_pairs", parent="v00_naive", change="one packed byte per lane, both nibbles (join + reshape)",

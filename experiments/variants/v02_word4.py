@@ -41,7 +41,8 @@ def _word4_kernel(
             word = tl.load(packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + w, mask=ok, other=0)
             absmax = _absmax_of_block(w // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                                       True, FTZ, ASM)
-            store_word8(out_ptr, w[:, None] * 8, word, absmax, code_ptr, ok[:, None], FTZ, ASM, BF16_BITS)
+            store_word8(out_ptr, w[:, None] * 8, word, absmax, code_ptr, ok[:, None], FTZ, ASM, BF16_BITS,
+                        "evict_last", "", "")
         else:  # the program past the whole words: the last 1-3 bytes
             tail_bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr,
                        n_words * 4 + tl.arange(0, 4), n, n_bytes, BLOCKSIZE, FTZ, ASM, BF16_BITS)

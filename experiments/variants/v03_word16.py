@@ -48,10 +48,10 @@ def _word16_kernel(
             word1, word3 = tl.split(odd)
             base = rows[:, None] * 32
             m = ok[:, None]
-            store_word8(out_ptr, base, word0, absmax, code_ptr, m, FTZ, ASM, BF16_BITS)
-            store_word8(out_ptr, base + 8, word1, absmax, code_ptr, m, FTZ, ASM, BF16_BITS)
-            store_word8(out_ptr, base + 16, word2, absmax, code_ptr, m, FTZ, ASM, BF16_BITS)
-            store_word8(out_ptr, base + 24, word3, absmax, code_ptr, m, FTZ, ASM, BF16_BITS)
+            store_word8(out_ptr, base, word0, absmax, code_ptr, m, FTZ, ASM, BF16_BITS, "evict_last", "", "")
+            store_word8(out_ptr, base + 8, word1, absmax, code_ptr, m, FTZ, ASM, BF16_BITS, "evict_last", "", "")
+            store_word8(out_ptr, base + 16, word2, absmax, code_ptr, m, FTZ, ASM, BF16_BITS, "evict_last", "", "")
+            store_word8(out_ptr, base + 24, word3, absmax, code_ptr, m, FTZ, ASM, BF16_BITS, "evict_last", "", "")
         else:  # the program past the whole rows: the last partial row
             tail_bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr,
                        n_rows * 16 + tl.arange(0, 16), n, n_bytes, BLOCKSIZE, FTZ, ASM, BF16_BITS)

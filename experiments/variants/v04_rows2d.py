@@ -41,7 +41,7 @@ def _rows2d_kernel(
     lo = _mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32)), absmax, FTZ, ASM)
     y = tl.reshape(tl.join(hi, lo), (ROWS, BLOCKSIZE))
     out_idx = blk[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
-    store_rounded(out_ptr, out_idx, y, out_idx < n, BF16_BITS)
+    store_rounded(out_ptr, out_idx, y, out_idx < n, BF16_BITS, "", "")
 
 
 @register("v04_rows2d", parent="v01_byte_pairs",

@@ -43,7 +43,7 @@ def _rows3d_kernel(
     lo = _mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32), eviction_policy="evict_last"), absmax, FTZ, ASM)
     y = tl.reshape(tl.join(hi, lo), (NBLK, RPB, 2 * BPR))  # element 2k = high nibble of byte k
     out_idx = row * (2 * BPR) + tl.arange(0, 2 * BPR)[None, None, :]
-    store_rounded(out_ptr, out_idx, y, out_idx < n, BF16_BITS)
+    store_rounded(out_ptr, out_idx, y, out_idx < n, BF16_BITS, "", "")
 
 
 @register("v05_rows3d", parent="v04_rows2d",

@@ -105,7 +105,8 @@ def _prmt_kernel(
             absmax = _absmax_of_block(w // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                                       True, FTZ, ASM)
             y = _mul(_levels8(word, code_ptr, ASM), absmax[:, None], FTZ, ASM)
-            store_rounded(out_ptr, w[:, None] * 8 + tl.arange(0, 8)[None, :], y, ok[:, None], BF16_BITS, STORE_CACHE)
+            store_rounded(out_ptr, w[:, None] * 8 + tl.arange(0, 8)[None, :], y, ok[:, None], BF16_BITS,
+                          STORE_CACHE, "")
         else:  # the program past the whole words: the last 1-3 bytes (table gather)
             tail_bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr,
                        n_words * 4 + tl.arange(0, 4), n, n_bytes, BLOCKSIZE, FTZ, ASM, BF16_BITS)
