@@ -260,10 +260,18 @@ def check(name: str, fn, mlp, x, expected_y, baseline: dict, device: str, baseli
     result["forward_linear_bitexact"] = compare(y_linear, expected_y).ok
     result["bitexact"] = all(e["mismatches"] == 0 for e in result["weights"].values())
     if result["forward_linear_error"] or result["forward_matmul_error"]:
+        result["puzzle_check"] = "fail"
         if result["bitexact"] and not baseline_forward_ok:
             result["note"] = "the forward check fails for the baseline too: the module's forward differs"
+        elif status == "known":
+            # Every differing weight is explained by a known third-party defect (e.g. inductor's FMA):
+            # the implementation fails the puzzle's check, as reported, but nothing here is unexplained.
+            defects = sorted({d for e in result["weights"].values() for d in e.get("defects", [])})
+            result["note"] = "fails the puzzle's forward check because of known defect(s): " + ", ".join(defects)
         else:
             status = "fail"
+    else:
+        result["puzzle_check"] = "pass"
     result["status"] = status
     return result
 
@@ -342,12 +350,13 @@ def run_config(cfg: Config, impls: dict, *, device: str = "cuda", iters: int = 1
         if name == baseline:
             baseline_forward_ok = not (result.get("forward_linear_error") or result.get("forward_matmul_error"))
         result["check_seconds"] = round(time.perf_counter() - t0, 2)
-        ours = name.startswith("nf4")
-        timeable = result["status"] in ("pass", "known") and (not ours or result.get("bitexact"))
+        # Check before time: only implementations whose weights are bit-exact are timed (as in nf4.bench).
+        timeable = result["status"] in ("pass", "known") and bool(result.get("bitexact"))
         if timing_on and timeable:
             result.update(time_impl(name, timed_fn, mlp, iters, reps, copy_gbs, device))
         elif timing_on:
-            result["not_timed"] = "nf4 is not bit-exact: not timed" if ours else "failed its check"
+            checked = result["status"] in ("pass", "known")
+            result["not_timed"] = "not bit-exact: not timed" if checked else "failed its check"
         row["impls"][name] = result
         print(f"challenge {cfg.label}: {name}: {result['status']}"
               + (f", {result['wall']['per_call_us']:.1f} us/call wall" if "wall" in result else ""),
