@@ -32,7 +32,7 @@ from verify import timing
 from . import common, registry
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-GPU_CASES = ["8192x2048:fp16", "14336x4096:bf16"]  # the challenge's weights, blocksize 64
+GPU_CASES = ["8192x2048:fp16", "4096x1024:bf16", "14336x4096:bf16"]  # the challenge configs' weights (bs 64)
 GPU_BIG_CASES = ["28672x8192:bf16"]  # also run for the production kernel's chain (PRODUCTION_ROOT and below)
 PRODUCTION_ROOT = "v50_jit_launch"
 # Odd numel, a tail after the last whole word and row; 3x2905 at blocksize 32 spans 273 blocks (two state2 scales).
