@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from verify import timing
+from verify.cases import clone_state
 
 from . import common, registry
 
@@ -91,19 +92,8 @@ def make_inputs(case: Case, device: str, copies: int, seed: int = 0) -> list[tup
     del x
     sets = [(packed, qs, torch.empty(case.shape, dtype=case.dtype, device=device))]
     for _ in range(copies - 1):
-        q2 = _clone_state(qs)
-        sets.append((packed.clone(), q2, torch.empty(case.shape, dtype=case.dtype, device=device)))
+        sets.append((packed.clone(), clone_state(qs), torch.empty(case.shape, dtype=case.dtype, device=device)))
     return sets
-
-
-def _clone_state(qs):
-    import copy
-
-    q2 = copy.copy(qs)
-    q2.absmax, q2.offset = qs.absmax.clone(), qs.offset.clone()
-    q2.state2 = copy.copy(qs.state2)
-    q2.state2.absmax, q2.state2.code = qs.state2.absmax.clone(), qs.state2.code.clone()
-    return q2
 
 
 def expected_output(packed, qs, gpu: bool) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 import triton
 
 from verify import peers, timing
+from verify.cases import clone_state
 
 DEFAULT_CASES = ["8192x2048:fp16", "2048x8192:fp16", "4096x1024:bf16", "1024x4096:bf16",
                  "14336x4096:bf16", "4096x14336:bf16", "28672x8192:bf16"]
@@ -50,21 +51,8 @@ def make_weights(shape, dtype, blocksize=64, copies=2, seed=0):
     del w
     sets = [(packed, qs)]
     for _ in range(copies - 1):
-        q2 = _clone_state(qs)
-        sets.append((packed.clone(), q2))
+        sets.append((packed.clone(), clone_state(qs)))
     return sets
-
-
-def _clone_state(qs):
-    import copy
-
-    q2 = copy.copy(qs)
-    q2.absmax = qs.absmax.clone()
-    q2.offset = qs.offset.clone()
-    q2.state2 = copy.copy(qs.state2)
-    q2.state2.absmax = qs.state2.absmax.clone()
-    q2.state2.code = qs.state2.code.clone()
-    return q2
 
 
 def providers(include_compile=True):

@@ -21,7 +21,6 @@ the puzzle's checks, and its bit-exactness is reported beside its times.
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import sys
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import known, peers, timing
-from .cases import DTYPE_NAMES, SHORT
+from .cases import DTYPE_NAMES, SHORT, clone_state
 from .exact import compare
 
 
@@ -279,22 +278,12 @@ def check(name: str, fn, mlp, x, expected_y, baseline: dict, device: str, baseli
 # --- timing -----------------------------------------------------------------------------------
 
 
-def _clone_state(qs):
-    q2 = copy.copy(qs)
-    for name, value in vars(qs).items():
-        if isinstance(value, torch.Tensor):
-            setattr(q2, name, value.clone())
-        elif type(value).__name__ == "QuantState":
-            setattr(q2, name, _clone_state(value))
-    return q2
-
-
 def rotated_inputs(layer) -> tuple[list, int]:
     """Copies of one layer's (packed, quant_state) so that L2 never holds the next call's data; and its bytes."""
     w, qs = layer.weight, layer.weight.quant_state
     n = math.prod(qs.shape)
     nbytes = timing.nf4_bytes(n, qs.blocksize, torch.empty((), dtype=qs.dtype).element_size(), qs.nested)
-    inputs = [(w.data, qs)] + [(w.data.clone(), _clone_state(qs)) for _ in range(timing.rotation_count(nbytes) - 1)]
+    inputs = [(w.data, qs)] + [(w.data.clone(), clone_state(qs)) for _ in range(timing.rotation_count(nbytes) - 1)]
     return inputs, nbytes
 
 
