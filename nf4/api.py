@@ -328,7 +328,7 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
         if plan is not None and plan.matches(weight, quant_state):
             if out is None:
                 return plan.run()
-            if plan.out_ref() is out and out.data_ptr() == plan.out_ptr:
+            if plan.out_ref() is out and out.data_ptr() == plan.out_ptr and out.shape == plan.shape:
                 return plan.run(out)
     packed, qs = _unpack_module(weight, quant_state)
     shape, n, _, blocksize, out_dtype, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, dtype)
