@@ -98,11 +98,9 @@ def _raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-def _dead() -> None:
+def _no_out() -> None:
+    """Stands in for a weak reference when the plan was made without an `out` (matches no tensor)."""
     return None
-
-
-_dead_ref = _dead
 
 
 def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) -> None:
@@ -123,7 +121,7 @@ def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) ->
     plan.args_post = args[7:]
     out = args[6]
     # An `out` the caller passed was checked: remember it (weakly) so reusing it stays on the fast path.
-    plan.out_ref = weakref.ref(out) if not fresh_out else _dead_ref
+    plan.out_ref = weakref.ref(out) if not fresh_out else _no_out
     plan.out_ptr = out.data_ptr()
     key = id(qs)
     if key not in _plans:
