@@ -31,33 +31,37 @@ CODEBOOK = 0  # 0: table gather, 1: select tree
 EVICT_STREAM = "evict_first"
 STORE_CM = ".cs"  # streaming stores: the output is not read back by this kernel
 BF16_BITS = False  # on the GPU: native cvt.rn.bf16.f32; the interpreter always rounds with integer ops
+# Word path with a fixed grid of PROGRAMS_PER_SM programs per multiprocessor striding over the tiles
+# (0: one program per tile). The interpreter uses INTERPRET_PROGRAMS programs instead.
+PROGRAMS_PER_SM = 0
+INTERPRET_PROGRAMS = 3
 
 _code_cache: dict[tuple, torch.Tensor] = {}
 _dummy_cache: dict[torch.device, torch.Tensor] = {}
 _compiled: dict[tuple, object] = {}
 _plans: dict[int, _Plan] = {}
+_sm_counts: dict[int, int] = {}
 
 
 class _Plan:
     """A validated (packed, quant_state) with its compiled kernel, for the fast repeat call.
 
     Holds the exact objects it validated; a later call reuses it only if the caller passes the
-    same packed tensor and the quant_state still holds the same tensors, shape and dtype. Then a
-    call costs one allocation and one launch through Triton's C launcher (raw pointers, the raw
-    CUDA stream), skipping the Python-level checks and Triton's JIT dispatch.
+    same packed tensor and the quant_state still holds the same tensors, shape, dtype and
+    blocksize. Then a call costs one allocation and one launch through Triton's C launch function
+    (raw pointers, the raw CUDA stream), skipping the Python-level checks and Triton's JIT dispatch.
     """
 
     __slots__ = (
         "absmax",
         "args_post",
-        "args_pre",
+        "blocksize",
         "device",
         "device_index",
         "dtype",
-        "function",
         "grid_x",
+        "head",
         "launch",
-        "metadata",
         "offset",
         "out_dtype",
         "out_ptr",
@@ -73,15 +77,37 @@ class _Plan:
     def matches(self, packed, qs) -> bool:
         return (packed is self.packed and qs.absmax is self.absmax and qs.shape is self.shape
                 and qs.dtype is self.dtype and qs.state2 is self.state2 and qs.offset is self.offset
+                and qs.blocksize == self.blocksize
                 and (self.state2 is None or self.state2.absmax is self.state2_absmax)
                 and packed.data_ptr() == self.packed_ptr)
 
     def run(self, out=None) -> torch.Tensor:
         if out is None:
             out = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
-        self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), self.function, self.metadata, None, None,
-                    None, *self.args_pre, out.data_ptr(), *self.args_post)
+        self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), *self.head, out.data_ptr(), *self.args_post)
         return out.t() if self.transpose else out
+
+
+# Triton versions whose C launch function this module calls directly, skipping the Python wrapper
+# `CompiledKernel.run` (its argument convention changes between releases, so each version is
+# listed only after tests/test_nf4_gpu.py passed with it on a GPU). Others use the wrapper.
+DIRECT_LAUNCH_VERSIONS = ("3.6",)
+DIRECT_LAUNCH = True
+
+
+def _launch_head(compiled) -> tuple:
+    """(callable, the launch arguments between the stream and the kernel's own arguments)."""
+    run = compiled.run
+    fn = getattr(run, "launch", None)
+    if (DIRECT_LAUNCH and fn is not None and ".".join(triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_VERSIONS
+            and not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1)):
+        # Triton 3.6: launch(gridX, gridY, gridZ, stream, function, cooperative, pdl, global_scratch,
+        #                    profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)
+        return fn, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                    compiled.packed_metadata, None, None, None)
+    # CompiledKernel.run(gridX, gridY, gridZ, stream, function, packed_metadata, launch_metadata,
+    #                    enter_hook, exit_hook, *args)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 def _hooks_active() -> bool:
@@ -94,8 +120,8 @@ def _hooks_active() -> bool:
     return False
 
 
-def _raw_stream(index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(index)
+# The current CUDA stream of a device as an int (absent from CPU-only builds, where no plan exists).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _no_out() -> None:
@@ -115,9 +141,9 @@ def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) ->
     plan.packed_ptr = packed.data_ptr()
     plan.device, plan.device_index, plan.out_dtype = packed.device, packed.device.index, out_dtype
     plan.transpose = packed.shape[0] == 1
-    plan.grid_x = grid_x
-    plan.launch, plan.function, plan.metadata = compiled.run, compiled.function, compiled.packed_metadata
-    plan.args_pre = tuple(a.data_ptr() for a in args[:6])
+    plan.grid_x, plan.blocksize = grid_x, qs.blocksize
+    plan.launch, head = _launch_head(compiled)
+    plan.head = head + tuple(a.data_ptr() for a in args[:6])
     plan.args_post = args[7:]
     out = args[6]
     # An `out` the caller passed was checked: remember it (weakly) so reusing it stays on the fast path.
@@ -251,9 +277,16 @@ def _check_out(out: torch.Tensor, shape, out_dtype, device):
         raise ValueError("out must be contiguous")
 
 
+def _sm_count(device: torch.device) -> int:
+    count = _sm_counts.get(device.index)
+    if count is None:
+        count = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
+
 def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz,
            *, tile_bytes=None, num_warps=None, codebook=None, evict_stream=None, store_cm=None, fp_fusion=False,
-           plan_for=None):
+           programs_per_sm=None, plan_for=None):
     """Launch the fused kernel on prepared tensors (no checks). Returns `out`.
 
     The keyword arguments exist for the experiments: meta-parameters, and `fp_fusion=True`, which
@@ -264,6 +297,7 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     codebook = CODEBOOK if codebook is None else codebook
     evict_stream = EVICT_STREAM if evict_stream is None else evict_stream
     store_cm = STORE_CM if store_cm is None else store_cm
+    programs_per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     n_bytes = (n + 1) // 2
     device = packed.device
     interpreting = device.type != "cuda" or _interpreting()
@@ -273,7 +307,11 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
         # Only words whose 8 weights all exist: with odd n the last byte's low nibble is padding,
         # and a word holding it would write out[n].
         n_words = n // 8
-        grid = (triton.cdiv(n_words, tile) + (1 if n % 8 else 0), 1, 1)
+        if programs_per_sm:
+            programs = INTERPRET_PROGRAMS if interpreting else programs_per_sm * _sm_count(device)
+            grid = (max(1, min(programs, triton.cdiv(n_words, tile))), 1, 1)
+        else:
+            grid = (triton.cdiv(n_words, tile) + (1 if n % 8 else 0), 1, 1)
     else:
         tile = max(1, tile_bytes)  # bytes per program
         n_words = 0
@@ -285,13 +323,14 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     asm = ftz and not interpreting
     bf16_bits = interpreting or BF16_BITS
     args = (packed, absmax, absmax2, code2, offset, code, out, n, n_bytes, n_words,
-            blocksize, tile, nested, ftz, asm, codebook, vec, index_64, evict_stream, bf16_bits, store_cm)
+            blocksize, tile, nested, ftz, asm, codebook, vec, index_64, evict_stream, bf16_bits, store_cm,
+            bool(programs_per_sm) and vec)
     if interpreting:
         nf4_dequantize_kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=fp_fusion)
         return out
     # The key holds every property Triton specialises on, so a cached binary is always valid.
     key = (device.index, packed.dtype, absmax.dtype, out.dtype, blocksize, tile, nested, ftz, codebook, vec, index_64,
-           evict_stream, bf16_bits, store_cm, num_warps, fp_fusion,
+           evict_stream, bf16_bits, store_cm, bool(programs_per_sm) and vec, num_warps, fp_fusion,
            n % 16 == 0, n == 1, n > _INT32_LIMIT, n_bytes % 16 == 0, n_bytes == 1, n_bytes > _INT32_LIMIT,
            packed.data_ptr() % 16 == 0,
            absmax.data_ptr() % 16 == 0, absmax2.data_ptr() % 16 == 0,

@@ -237,12 +237,26 @@ def nf4_dequantize_kernel(
     EVICT_STREAM: tl.constexpr,  # eviction policy for the streamed packed bytes
     BF16_BITS: tl.constexpr,  # round to bfloat16 with integer ops (needed in the interpreter)
     STORE_CM: tl.constexpr,  # cache modifier of the output stores ("" or ".cs", ".cg", ...)
+    PERSIST: tl.constexpr,  # word path: a fixed grid whose programs stride over the tiles (else one tile each)
 ):
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)
-    if VEC:
+    if VEC and PERSIST:
+        # Each program takes tiles pid, pid + P, pid + 2P, ... (P programs); the last program also
+        # writes the 1-7 weights after the last whole word.
+        n_progs = tl.num_programs(0).to(pid.dtype)
+        n_tiles = tl.cdiv(n_words, TILE).to(pid.dtype)
+        for t in range(pid, n_tiles, n_progs):
+            w = t * TILE + tl.arange(0, TILE)
+            _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, w, w < n_words,
+                   BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, EVICT_STREAM, BF16_BITS, STORE_CM)
+        if pid == n_progs - 1:
+            b = n_words.to(pid.dtype) * 4 + tl.arange(0, 4)
+            _bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, b, n, n_bytes,
+                   BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, BF16_BITS)
+    elif VEC:
         if pid * TILE < n_words:
             # Consecutive threads take consecutive words, so every warp-wide 16-byte store covers
             # 512 contiguous bytes. n_words is not specialised by Triton, so the mask below keeps

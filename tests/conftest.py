@@ -147,15 +147,20 @@ class KernelTestHelpers:
         """(buffer, out): `out` of `shape` is a contiguous view `lead` elements into a NaN-filled
         buffer with `guard` more NaNs after its end. The NaN is POISON_BITS, written as integers."""
         n = int(np.prod(shape, dtype=np.int64))
-        buf = torch.empty(lead + n + guard, dtype=dtype, device=device)
-        width = buf.element_size()
-        bits = cls.POISON_BITS[dtype]
-        if bits >= 1 << (8 * width - 1):  # as the signed integer view reads it
-            bits -= 1 << (8 * width)
-        buf.view(cls.INT_VIEW[width]).fill_(bits)
+        buf = cls.poison(torch.empty(lead + n + guard, dtype=dtype, device=device))
         out = buf[lead : lead + n].view(shape)
         assert out.is_contiguous()
         return buf, out
+
+    @classmethod
+    def poison(cls, buf: torch.Tensor) -> torch.Tensor:
+        """Fill `buf` with POISON_BITS (a NaN), written as integers; returns buf."""
+        width = buf.element_size()
+        bits = cls.POISON_BITS[buf.dtype]
+        if bits >= 1 << (8 * width - 1):  # as the signed integer view reads it
+            bits -= 1 << (8 * width)
+        buf.view(cls.INT_VIEW[width]).fill_(bits)
+        return buf
 
     @classmethod
     def assert_poison_intact(cls, buf: torch.Tensor, start: int, stop: int) -> None:

@@ -25,6 +25,7 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available():
+    import triton
     from triton.runtime.interpreter import InterpretedFunction
 
     import nf4
@@ -354,20 +355,25 @@ def test_poisoned_out(nf4h, shape, blocksize, out_dtype, lead):
     nf4h.assert_poison_intact(buf, lead, lead + out.numel())
 
 
-def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h):
-    """The cached launch (second call on, with and without out=) stays bit-exact and writes all of out."""
-    import bitsandbytes.functional as F
-
-    import nf4
-
-    x = torch.randn(333, 129, device="cuda").to(torch.bfloat16)
-    packed, state = F.quantize_4bit(x, blocksize=64, compress_statistics=True, quant_type="nf4")
-    expected = F.dequantize_4bit(packed, state, quant_type="nf4")
-    out = torch.full_like(expected, float("nan"))
-    for _ in range(3):
+@pytest.mark.parametrize("programs_per_sm", [0, 1, 8], ids=lambda k: f"persist{k}")
+@pytest.mark.parametrize(("shape", "dtype"), [((333, 129), torch.bfloat16), ((1, 4103), torch.float16),
+                                              ((7,), torch.float32), ((4096, 1029), torch.bfloat16)], ids=str)
+def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, monkeypatch, programs_per_sm, shape, dtype):
+    """The cached launch (second call on, with and without out=) stays bit-exact and writes all of
+    out and nothing past it, with one tile per program and with the fixed (persistent) grid."""
+    monkeypatch.setattr(nf4.api, "PROGRAMS_PER_SM", programs_per_sm)
+    packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA,
+                                  seed=nf4h.case_seed("fast-path", shape, dtype, programs_per_sm))
+    expected = _bnb(packed, state)
+    buf, out = nf4h.poisoned_out(tuple(state.shape), dtype, CUDA, lead=1)
+    for i in range(3):
         got = nf4.dequantize(packed, state)
-        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
-        out.fill_(float("nan"))
+        assert_bitexact(got, expected, name=f"call {i} without out")
+        nf4h.poison(buf)
         got_out = nf4.dequantize(packed, state, out=out)
         assert got_out.data_ptr() == out.data_ptr()
-        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+        assert_bitexact(got_out, expected, name=f"call {i} with out")
+        nf4h.assert_poison_intact(buf, 1, 1 + out.numel())
+    plan = nf4.api._plans[id(state)]
+    direct = ".".join(triton.__version__.split(".")[:2]) in nf4.api.DIRECT_LAUNCH_VERSIONS
+    assert (type(plan.launch).__name__ == "builtin_function_or_method") == direct, type(plan.launch)

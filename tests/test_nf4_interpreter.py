@@ -167,6 +167,26 @@ def test_codebook_and_tile(nf4h, codebook, tile_bytes, blocksize, numel, double_
     assert_bitexact(out, nf4h.reference_dequant(packed, state, out_dtype))
 
 
+# (tile_bytes, blocksize, numel): the tiles outnumber the programs, numel % 8 covers 0 and odd tails.
+PERSIST_CASES = [(16, 32, 37 * 32 - 3), (16, 64, 9 * 64), (512, 64, 259 * 64 - 5), (16, 4096, 8)]
+
+
+@pytest.mark.parametrize("programs", [1, 3, 1000], ids=lambda v: f"p{v}")
+@pytest.mark.parametrize(("tile_bytes", "blocksize", "numel"), PERSIST_CASES, ids=lambda v: str(v))
+def test_persistent_grid(nf4h, monkeypatch, programs, tile_bytes, blocksize, numel):
+    """The fixed-grid word path: each program strides over the tiles; the last one writes the tail."""
+    monkeypatch.setattr(nf4.api, "INTERPRET_PROGRAMS", programs)
+    packed, state = nf4h.quantize((numel,), torch.float32, blocksize, True,
+                                  seed=nf4h.case_seed("persist", programs, tile_bytes, blocksize, numel))
+    absmax, absmax2, code2, offset = _launch_inputs(state)
+    out = torch.full((numel + 64,), float("nan"), dtype=torch.bfloat16)
+    got = nf4.launch(packed, absmax, absmax2, code2, offset, out[:numel], numel, blocksize, True, False,
+                     tile_bytes=tile_bytes, programs_per_sm=1)
+    assert got.data_ptr() == out.data_ptr()
+    assert_bitexact(out[:numel], nf4h.reference_dequant(packed, state, torch.bfloat16))
+    assert torch.isnan(out[numel:]).all(), "wrote past the end of out"
+
+
 @pytest.mark.parametrize("ftz", [False, True], ids=["ieee", "ftz"])
 def test_select_codebook_through_api(nf4h, monkeypatch, ftz):
     """The select-tree codebook via `nf4.api.CODEBOOK`, the way a tuned default would switch it."""

@@ -1,0 +1,209 @@
+"""Where the time of an `nf4.dequantize` call goes, on the host and on the GPU.
+
+    python -m nf4.probe --out results/tuning/h200_probe.json
+
+Host: the cost of each step of the fast repeat call (plan lookup, output allocation, the current
+stream, Triton's launch wrapper versus its C launch function), next to the whole call and an
+empty Triton kernel's JIT launch. Device: the kernel beside what the same bytes cost when moved
+by other means (a copy of the same byte count, a fill of the output, and a Triton kernel with the
+same access pattern that does no dequantization arithmetic), and the fixed-grid (persistent)
+variants of the kernel. Every kernel variant is checked bit-exact against bitsandbytes first.
+Exploratory: the repository's figures come from `python -m nf4.bench` and `python -m verify`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from verify import peers, timing
+
+from .bench import _empty_kernel, bitexact_count, make_weights, parse_case
+
+
+@triton.jit
+def _expand_floor_kernel(words_ptr, out_ptr, n_words, TILE: tl.constexpr):
+    """Same loads and stores as the nf4 word path, no dequantization: out = the nibbles as numbers."""
+    w = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    ok = w < n_words
+    word = tl.load(words_ptr + w, mask=ok, other=0, eviction_policy="evict_first")
+    k = tl.arange(0, 8)
+    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    nib = ((word[:, None] >> shift[None, :]) & 0xF).to(tl.float32)
+    tl.store(out_ptr + w[:, None] * 8 + k[None, :], nib.to(out_ptr.dtype.element_ty), mask=ok[:, None],
+             cache_modifier=".cs")
+
+
+def _host(fn, calls=300):
+    return round(timing.host_time_us(fn, [None], calls=calls)["median_us"], 3)
+
+
+def host_parts(case="1024x1024:bf16") -> dict:
+    """Host microseconds per step of the fast path (a small weight, so the GPU keeps up)."""
+    import nf4
+    import nf4.api as api
+
+    shape, dtype = parse_case(case)
+    (p, q), = make_weights(shape, dtype, copies=1)
+    dev, idx, shp = p.device, p.device.index, q.shape
+    buf = torch.empty(shp, dtype=dtype, device=dev)
+    tmpl = torch.empty(0, dtype=dtype, device=dev)
+    x = torch.empty(16, device=dev)
+
+    def plan_with(direct):
+        api.DIRECT_LAUNCH = direct
+        api._plans.pop(id(q), None)
+        nf4.dequantize(p, q)
+        api.DIRECT_LAUNCH = True
+        return api._plans[id(q)]
+
+    wrapper, direct = plan_with(False), plan_with(True)
+    parts = {
+        "empty Triton kernel, JIT launch": lambda _: _empty_kernel[(1,)](x, 16),
+        "python call of a no-op": lambda _: _noop(p, q),
+        "torch.compiler.is_compiling()": lambda _: torch.compiler.is_compiling(),
+        "plan lookup + match": lambda _: api._plans.get(id(q)).matches(p, q),
+        "torch.empty(shape, dtype=, device=)": lambda _: torch.empty(shp, dtype=dtype, device=dev),
+        "torch.empty(shape, dtype=, device=index)": lambda _: torch.empty(shp, dtype=dtype, device=idx),
+        "Tensor.new_empty(shape)": lambda _: tmpl.new_empty(shp),
+        "current raw stream": lambda _: api._raw_stream(idx),
+        "plan.run(out) via CompiledKernel.run": lambda _: wrapper.run(buf),
+        "plan.run(out) via the C launch function": lambda _: direct.run(buf),
+        "plan.run() via the C launch function": lambda _: direct.run(),
+        "nf4.dequantize(p, q, out=buf)": lambda _: nf4.dequantize(p, q, out=buf),
+        "nf4.dequantize(p, q)": lambda _: nf4.dequantize(p, q),
+    }
+    for fn in parts.values():  # warm every path once (compiles the empty kernel)
+        fn(None)
+    torch.cuda.synchronize()
+    result = {"case": case, "direct_launch_used": direct.launch is not wrapper.launch}
+    result["us"] = {name: _host(fn) for name, fn in parts.items()}
+    # Second pass in reverse order: the spread between the passes shows the noise.
+    result["us_second_pass"] = {name: _host(parts[name]) for name in reversed(parts)}
+    return result
+
+
+def _noop(p, q):
+    return None
+
+
+def _device_us(call, sets, reps, flush=None):
+    if flush is None:
+        return timing.device_time_us(call, sets, reps=reps)["median_us"]
+    # Diagnostic: read `flush` (larger than L2) before each timed call, so the call starts with no
+    # dirty lines of the previous call left in L2 to write back.
+    import statistics
+
+    for i in range(5):
+        call(sets[i % len(sets)])
+    times = []
+    for i in range(reps):
+        flush.sum()
+        torch.cuda._sleep(timing.SPIN_CYCLES)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        call(sets[i % len(sets)])
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(times)
+
+
+def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
+    import nf4.api as api
+
+    shape, dtype = parse_case(case)
+    n = math.prod(shape)
+    out_bytes = torch.empty((), dtype=dtype).element_size()
+    nbytes = timing.nf4_bytes(n, 64, out_bytes)
+    sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
+    expected = peers.bnb_dequantize(*sets[0])
+    rows = []
+
+    def add(name, us, **extra):
+        row = {"case": case, "what": name, "device_us": round(us, 3), "bytes": nbytes,
+               "pct_copy": round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 2), **extra}
+        rows.append(row)
+        print(f"  {case:<16} {name:<48} {us:8.2f} us {row['pct_copy']:6.1f}%", flush=True)
+
+    half = nbytes // 2
+    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
+             for _ in range(timing.rotation_count(nbytes))]
+    add("copy of the same byte count", _device_us(lambda s: s[1].copy_(s[0]), pairs, reps))
+    del pairs
+    outs = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(2)]
+    fill_us = _device_us(lambda o: o.fill_(0), outs, reps)
+    add("fill of the output (writes only)", fill_us, note="counted against all the bytes nf4 moves")
+    n_words = n // 8
+
+    def floor_call(s):
+        out = torch.empty(shape, dtype=dtype, device="cuda")
+        _expand_floor_kernel[(triton.cdiv(n_words, 128),)](s[0].view(torch.int32), out, n_words, TILE=128,
+                                                          num_warps=2)
+        return out
+
+    add("same loads/stores, no dequantization", _device_us(floor_call, sets, reps))
+    flush = torch.empty(timing.L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda").zero_()
+
+    def cfg_call(tile, warps, per_sm):
+        def call(s):
+            p, q = s
+            s2 = q.state2
+            out = torch.empty(q.shape, dtype=q.dtype, device=p.device)
+            api.launch(p, q.absmax, s2.absmax, s2.code, q.offset, out, n, q.blocksize, True, True,
+                       tile_bytes=tile, num_warps=warps, programs_per_sm=per_sm)
+            return out
+        return call
+
+    grid = grid or ([(512, 2, 0)] + [(t, w, k) for t in (512, 1024) for w in (2, 4) for k in (4, 8, 16, 32)
+                                     if not (w == 4 and k == 32)])
+    for tile, warps, per_sm in grid:
+        call = cfg_call(tile, warps, per_sm)
+        bad = bitexact_count(call(sets[0]), expected)
+        name = f"nf4 tile {tile} B, {warps} warps, " + (f"{per_sm} programs/SM" if per_sm else "one tile per program")
+        if bad:
+            rows.append({"case": case, "what": name, "mismatches": bad})
+            print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
+            continue
+        add(name, _device_us(call, sets, reps), tile_bytes=tile, num_warps=warps, programs_per_sm=per_sm,
+            graph_us=(timing.graph_time_us(call, sets) or {}).get("median_us"))
+    base = cfg_call(512, 2, 0)
+    add("nf4 default, L2 read-flushed before each call", _device_us(base, sets, reps, flush=flush))
+    add("copy of the same byte count, L2 read-flushed", _device_us(
+        lambda s: s[1].copy_(s[0]), [(torch.empty(half, dtype=torch.uint8, device="cuda"),
+                                      torch.empty(half, dtype=torch.uint8, device="cuda"))], reps, flush=flush))
+    del sets, expected, flush, outs
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="*", default=["8192x2048:fp16", "14336x4096:bf16", "28672x8192:bf16"])
+    ap.add_argument("--out", default="results/tuning/probe.json")
+    ap.add_argument("--reps", type=int, default=100)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("nf4.probe needs a CUDA GPU; nothing measured.", file=sys.stderr)
+        return 2
+    env = timing.environment()
+    copy = timing.copy_bandwidth_gbs()
+    print(f"{env['device']} triton {env['triton']} copy {copy['gbs']:.0f} GB/s", flush=True)
+    host = host_parts()
+    for name, us in host["us"].items():
+        print(f"  host {name:<48} {us:7.2f} us  (second pass {host['us_second_pass'][name]:.2f})", flush=True)
+    rows = []
+    for case in args.cases:
+        rows += device_parts(case, copy["gbs"], reps=args.reps)
+    path = timing.write_json(args.out, {"env": env, "copy_bandwidth": copy, "host": host, "device": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
