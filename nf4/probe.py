@@ -143,8 +143,8 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
 
     def floor_call(s):
         out = torch.empty(shape, dtype=dtype, device="cuda")
-        _expand_floor_kernel[(triton.cdiv(n_words, 128),)](s[0].view(torch.int32), out, n_words, TILE=128,
-                                                          num_warps=2)
+        words = s[0].view(-1).view(torch.int32)
+        _expand_floor_kernel[(triton.cdiv(n_words, 128),)](words, out, n_words, TILE=128, num_warps=2)
         return out
 
     add("same loads/stores, no dequantization", _device_us(floor_call, sets, reps))
