@@ -27,7 +27,10 @@ def main(argv=None) -> int:
     run.add_argument("--cases", nargs="+", help="cases like 8192x2048:fp16 or 3x2905:bf16:32 (blocksize); "
                      "default: the challenge shapes on a GPU, small odd ones in the interpreter")
     run.add_argument("--check-only", action="store_true", help="check exactness, do not time")
-    run.add_argument("--out", default="results/experiments.json", help="JSON path (a CSV is written next to it)")
+    run.add_argument("--out", default=None,
+                     help="JSON path, a CSV is written next to it (default: results/experiments.json on a GPU, "
+                          "results/experiments_interpreter.json without one, so a CPU check never overwrites "
+                          "the GPU results)")
     run.add_argument("--sm75", action="store_true", help="also compile every kernel offline for sm_75 (T4)")
     run.add_argument("--reps", type=int, default=100, help="timed calls per variant and case")
     run.add_argument("--inductor-dir", default="results/inductor", help="where v60/v61 save inductor's code")
@@ -55,6 +58,12 @@ def main(argv=None) -> int:
         print(f"wrote {path} and {path.with_suffix('.csv')}")
         print(sm75.table(result))
         return 1 if sm75.failures(result) else 0
+    if args.out is None:
+        import torch
+
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        gpu = torch.cuda.is_available() and not interpreting
+        args.out = "results/experiments.json" if gpu else "results/experiments_interpreter.json"
     payload = runner.run(args.ids, args.cases, check_only=args.check_only, out=args.out, sm75=args.sm75,
                          reps=args.reps, inductor_dir=args.inductor_dir)
     bad = [r for r in payload["rows"] if r["status"] in ("INEXACT", "error") or r.get("error")]

@@ -275,6 +275,7 @@ class Generator:
         self.section("results/verify_<gpu>.json challenge", self.challenge, (verify_gpu or {}).get("challenge"))
         self.section("results/experiments.json", self.experiments, experiments)
         self.section("results/tuning/", self.tuning, self._load_tuning())
+        self.section("results/probe_<gpu>.json", self.probe, self._load_probe())
         self.section("paper/published_claims.json", self.claims, self.claims_path)
         self.provenance()
         self.write("macros.tex", self._macros_tex())
@@ -936,6 +937,102 @@ class Generator:
                 r"  y tick label style={font=\scriptsize\ttfamily}, xmajorgrids, enlarge y limits=0.04,",
                 r"  legend style={font=\scriptsize, at={(0.5,1.02)}, anchor=south, legend columns=2}]"]
         self.write("fig_ablation.tex", "\n".join(body + plots + [r"\end{axis}", r"\end{tikzpicture}"]) + "\n")
+
+    # --- results/probe_<gpu>.json: where the time goes (nf4.probe) -------------------------------------
+
+    PROBE_CASES = ("8192x2048:fp16", "14336x4096:bf16", "28672x8192:bf16")
+    PROBE_ROWS = (("copy of the same byte count", "torch copy, same bytes"),
+                  ("fill of the output (writes only)", "fill of the output only"),
+                  ("same loads/stores, no dequantization", "same loads and stores, no arithmetic"),
+                  ("nf4 tile 512 B, 2 warps, one tile per program", "nf4 (one tile per program)"))
+    PROBE_HOST = (("empty Triton kernel, JIT launch", "empty Triton kernel, JIT launch"),
+                  ("plan lookup + match", "fast path: plan lookup and checks"),
+                  ("torch.empty(shape, dtype=, device=)", "torch.empty(shape, dtype=, device=)"),
+                  ("Tensor.new_empty(shape)", "Tensor.new_empty(shape) (used)"),
+                  ("plan.run(out) via CompiledKernel.run", "launch via CompiledKernel.run"),
+                  ("plan.run(out) via the C launch function", "launch via the C launch function (used)"),
+                  ("nf4.dequantize(p, q, out=buf)", "nf4.dequantize(w, qs, out=buf)"),
+                  ("nf4.dequantize(p, q)", "nf4.dequantize(w, qs)"))
+
+    def _load_probe(self) -> dict | None:
+        found = sorted(p.name for p in self.results.glob("probe_*.json")) if self.results.is_dir() else []
+        if not found:
+            self.missing.append("results/probe_<gpu>.json (python -m nf4.probe on a GPU)")
+            return None
+        return self.load(found[-1], label="nf4.probe", required_for="floor and host tables")
+
+    def probe(self, data: dict | None) -> None:
+        rows = [r for r in _rows((data or {}).get("device")) if "device_us" in r]
+        by = {(r.get("case"), r.get("what")): r for r in rows}
+        host = ((data or {}).get("host") or {}).get("us") or {}
+        host2 = ((data or {}).get("host") or {}).get("us_second_pass") or {}
+        self.macro("NFprobeDevice", tex(((data or {}).get("env") or {}).get("device") or "") if data else NM)
+        self.macro("NFprobeCommit", tex(str(((data or {}).get("env") or {}).get("commit") or "")[:7]) if data else NM)
+        mid = self.PROBE_CASES[1]
+        self.macro("NFmidShapeProbe", case_tex(mid))
+        self.macro("NFhostShapeProbe", case_tex(((data or {}).get("host") or {}).get("case") or "") if data else NM)
+
+        def get(case, what, key="device_us"):
+            return (by.get((case, what)) or {}).get(key)
+
+        for case, tag in zip(self.PROBE_CASES, ("Small", "Mid", "Large"), strict=True):
+            for (what, _), name in zip(self.PROBE_ROWS, ("Copy", "Fill", "Floor", "NF"), strict=True):
+                self.macro(f"NFprobe{name}Pct{tag}", pct(get(case, what, "pct_copy")))
+                self.macro(f"NFprobe{name}Us{tag}", us(get(case, what)))
+        persist = [r for r in rows if r.get("programs_per_sm")]
+        best = {c: min((r for r in persist if r.get("case") == c), key=lambda r: r["device_us"], default=None)
+                for c in self.PROBE_CASES}
+        slower = [c for c in self.PROBE_CASES if best.get(c) and number(get(c, self.PROBE_ROWS[3][0]))
+                  and best[c]["device_us"] > get(c, self.PROBE_ROWS[3][0])]
+        compared = [c for c in self.PROBE_CASES if best.get(c) and number(get(c, self.PROBE_ROWS[3][0]))]
+        self.macro("NFprobePersistSlowerCount", integer(len(slower)) if compared else NM)
+        self.macro("NFprobeCaseCount", integer(len(compared)) if compared else NM)
+        nf_mid, floor_mid = number(get(mid, self.PROBE_ROWS[3][0])), number(get(mid, self.PROBE_ROWS[2][0]))
+        self.macro("NFprobeNFOverFloorMid", ratio(nf_mid / floor_mid) if nf_mid and floor_mid else NM)
+        bm = best.get(mid)
+        self.macro("NFprobePersistBestUsMid", us(bm["device_us"]) if bm else NM)
+        self.macro("NFprobePersistBestPerSmMid", integer(bm["programs_per_sm"]) if bm else NM)
+        self.macro("NFprobePersistSlowdownMid", ratio(bm["device_us"] / nf_mid) if bm and nf_mid else NM)
+        for key, name in (("empty Triton kernel, JIT launch", "Jit"), ("torch.empty(shape, dtype=, device=)", "Empty"),
+                          ("Tensor.new_empty(shape)", "NewEmpty"),
+                          ("plan.run(out) via the C launch function", "Launch"),
+                          ("plan.run(out) via CompiledKernel.run", "LaunchWrapper"),
+                          ("nf4.dequantize(p, q, out=buf)", "CallOut"), ("nf4.dequantize(p, q)", "Call")):
+            self.macro(f"NFprobeHost{name}", us(host.get(key)))
+        alloc, launch, jit = (number(host.get(k)) for k in ("Tensor.new_empty(shape)",
+                                                            "plan.run(out) via the C launch function",
+                                                            "empty Triton kernel, JIT launch"))
+        self.macro("NFprobeHostAllocLaunch", us(alloc + launch) if alloc and launch else NM)
+        self.macro("NFprobeHostHalfJit", us(jit / 2) if jit else NM)
+        if not rows:
+            self.write("floor_table.tex", missing_box("results/probe\\_<gpu>.json (\\texttt{python -m nf4.probe})"))
+        else:
+            head = " & ".join(rf"\multicolumn{{2}}{{c}}{{{case_tex(c)}}}" for c in self.PROBE_CASES)
+            rule = "".join(rf"\cmidrule(lr){{{2 + 2 * i}-{3 + 2 * i}}}" for i in range(len(self.PROBE_CASES)))
+            lines = [r"\begin{tabular}{@{}l " + "r r " * len(self.PROBE_CASES) + "@{}}", r"\toprule",
+                     rf"what moves the bytes & {head} \\", rule,
+                     " & " + " & ".join([r"$\mu$s & \% copy"] * len(self.PROBE_CASES)) + r" \\", r"\midrule"]
+            for what, label in self.PROBE_ROWS:
+                cells = [tex(label)]
+                for c in self.PROBE_CASES:
+                    cells += [us(get(c, what)), pct(get(c, what, "pct_copy"))]
+                lines.append(row(cells))
+            cells = ["nf4, best fixed (persistent) grid"]
+            for c in self.PROBE_CASES:
+                b = best.get(c)
+                cells += [us(b["device_us"]) if b else DASH, pct(b.get("pct_copy")) if b else DASH]
+            lines.append(row(cells))
+            lines += [r"\bottomrule", r"\end{tabular}"]
+            self.write("floor_table.tex", "\n".join(lines) + "\n")
+        if not host:
+            self.write("host_table.tex", missing_box("results/probe\\_<gpu>.json host steps"))
+        else:
+            lines = [r"\begin{tabular}{@{}l r r@{}}", r"\toprule", r"step & $\mu$s & again \\", r"\midrule"]
+            for key, label in self.PROBE_HOST:
+                lines.append(row([r"\code{" + tex(label) + "}" if label.startswith(("torch", "Tensor", "nf4"))
+                                  else tex(label), us(host.get(key)), us(host2.get(key))]))
+            lines += [r"\bottomrule", r"\end{tabular}"]
+            self.write("host_table.tex", "\n".join(lines) + "\n")
 
     # --- results/tuning/: the design history (intermediate kernels) ------------------------------------
 

@@ -108,19 +108,13 @@ def build(cfg: Config, device: str):
 
 def implementations(device: str, *, include_compile: bool = True, names=None) -> dict:
     """name -> (callable(weight, quant_state), callable for timing once warm)."""
+    import nf4
+
     impls = {}
-
-    def nf4_fn(w, qs):
-        import nf4
-
-        return nf4.dequantize(w, qs)
-
-    impls["nf4"] = (nf4_fn, nf4_fn)
+    impls["nf4"] = (nf4.dequantize, nf4.dequantize)  # the puzzle's fx is the function itself
     buffers: dict = {}
 
     def nf4_out_fn(w, qs):  # like Unsloth's use_global_buffer: one output buffer per shape and dtype
-        import nf4
-
         key = (tuple(qs.shape), qs.dtype, w.device)
         buf = buffers.get(key)
         if buf is None:

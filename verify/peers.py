@@ -67,6 +67,18 @@ def bnb_triton_dequantize(packed, qs):
     return out.t() if packed.shape[0] == 1 else out
 
 
+_BNB_LIB = [None]
+
+
+def _bnb_lib():
+    """bitsandbytes' native library, imported once (Unsloth imports it at module level)."""
+    import bitsandbytes.backends.cuda.ops  # noqa: F401 - sets the ctypes signatures used below
+    from bitsandbytes.cextension import lib
+
+    _BNB_LIB[0] = lib
+    return lib
+
+
 def unsloth_fast_dequantize(W, quant_state, out=None, use_global_buffer=False):
     """Unsloth's `fast_dequantize` as NF4_FORMAT.md section 6 describes it (CUDA only).
 
@@ -75,9 +87,7 @@ def unsloth_fast_dequantize(W, quant_state, out=None, use_global_buffer=False):
     weight (fp16 kernel for float16, bf16 kernel for anything else). With
     `use_global_buffer=True` the output and absmax buffers are reused across calls.
     """
-    import bitsandbytes.backends.cuda.ops  # noqa: F401 - sets the ctypes signatures used below
-    from bitsandbytes.cextension import lib
-
+    lib = _BNB_LIB[0] or _bnb_lib()
     if quant_state is None:
         return W
     qs = quant_state

@@ -136,22 +136,23 @@ def graph_time_us(fn, inputs: list, *, calls: int | None = None, reps: int = 20)
     return {"median_us": statistics.median(times), "min_us": min(times), "calls_per_replay": calls, "reps": reps}
 
 
-def host_time_us(fn, inputs: list, *, calls: int = 200, warmup: int = 20) -> dict:
-    """Host wall time per call without synchronisation (issue cost), median of 5 batches."""
+def host_time_us(fn, inputs: list, *, calls: int = 200, warmup: int = 20, batches: int = 9) -> dict:
+    """Host wall time per call without synchronisation (issue cost), median of `batches` batches."""
     import torch
 
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     torch.cuda.synchronize()
-    batches = []
-    for _ in range(5):
+    per_batch = []
+    for _ in range(batches):
         t0 = time.perf_counter()
         for i in range(calls):
             fn(inputs[i % len(inputs)])
         t1 = time.perf_counter()
         torch.cuda.synchronize()
-        batches.append((t1 - t0) * 1e6 / calls)
-    return {"median_us": statistics.median(batches), "min_us": min(batches), "calls": calls}
+        per_batch.append((t1 - t0) * 1e6 / calls)
+    return {"median_us": statistics.median(per_batch), "min_us": min(per_batch), "calls": calls,
+            "batches": batches}
 
 
 def wall_time_us(fn, inputs: list, *, iters: int = 1000, warmup: int = 20, sync=None) -> dict:
