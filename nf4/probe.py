@@ -39,6 +39,32 @@ def _expand_floor_kernel(words_ptr, out_ptr, n_words, TILE: tl.constexpr):
              cache_modifier=".cs")
 
 
+@triton.jit
+def _store_floor_kernel(out_ptr, n_words, TILE: tl.constexpr, STORE_CM: tl.constexpr):
+    """Only nf4's stores (zeros): 8 outputs per 32-bit word, a warp's store covering contiguous bytes."""
+    w = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    k = tl.arange(0, 8)
+    zeros = tl.zeros((TILE, 8), dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + w[:, None] * 8 + k[None, :], zeros, mask=(w < n_words)[:, None], cache_modifier=STORE_CM)
+
+
+def _driver_memset():
+    """The CUDA driver's cuMemsetD32Async (the device's own fill), through ctypes."""
+    import ctypes
+
+    fn = ctypes.CDLL("libcuda.so.1").cuMemsetD32Async
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+
+    def memset(t):
+        rc = fn(t.data_ptr(), 0, t.numel() * t.element_size() // 4, torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"cuMemsetD32Async returned {rc}")
+        return t
+
+    return memset
+
+
 def _host(fn, calls=300):
     return round(timing.host_time_us(fn, [None], calls=calls)["median_us"], 3)
 
@@ -139,7 +165,16 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
     outs = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(2)]
     fill_us = _device_us(lambda o: o.fill_(0), outs, reps)
     add("fill of the output (writes only)", fill_us, note="counted against all the bytes nf4 moves")
+    memset = _driver_memset()
+    add("driver memset of the output (writes only)", _device_us(memset, outs, reps),
+        note="cuMemsetD32Async; counted against all the bytes nf4 moves")
     n_words = n // 8
+    for tile, warps, cm in ((128, 2, ".cs"), (128, 2, ""), (512, 4, ".cs")):
+        def store_call(o, tile=tile, warps=warps, cm=cm):
+            _store_floor_kernel[(triton.cdiv(n_words, tile),)](o, n_words, TILE=tile, STORE_CM=cm, num_warps=warps)
+            return o
+
+        add(f"nf4's stores only: {tile} words, {warps} warps, cache '{cm}'", _device_us(store_call, outs, reps))
 
     def floor_call(s):
         out = torch.empty(shape, dtype=dtype, device="cuda")
