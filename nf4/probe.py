@@ -24,6 +24,7 @@ import triton.language as tl
 from verify import peers, timing
 
 from .bench import _empty_kernel, bitexact_count, make_weights, parse_case
+from .kernel import _absmax_of_block, _mul, _nf4_level, _store_out
 
 
 @triton.jit
@@ -46,6 +47,128 @@ def _store_floor_kernel(out_ptr, n_words, TILE: tl.constexpr, STORE_CM: tl.const
     k = tl.arange(0, 8)
     zeros = tl.zeros((TILE, 8), dtype=out_ptr.dtype.element_ty)
     tl.store(out_ptr + w[:, None] * 8 + k[None, :], zeros, mask=(w < n_words)[:, None], cache_modifier=STORE_CM)
+
+
+@triton.jit
+def _store3d_kernel(out_ptr, n_words, R: tl.constexpr, T: tl.constexpr, STORE_CM: tl.constexpr):
+    """Zeros in nf4's output pattern, R words per thread, thread t of T taking words t, t + T, ..."""
+    w = tl.program_id(0) * (R * T) + tl.arange(0, R)[:, None] * T + tl.arange(0, T)[None, :]
+    k = tl.arange(0, 8)
+    zeros = tl.zeros((R, T, 8), dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + w[:, :, None] * 8 + k[None, None, :], zeros, mask=(w < n_words)[:, :, None],
+             cache_modifier=STORE_CM)
+
+
+@triton.jit
+def _load_word(ptr, mask, LOAD: tl.constexpr):
+    """A 32-bit load per element: tl.load (LOAD 0) or inline PTX, whose result takes the layout of its
+    use, so that Triton does not vectorise the load and then move the words through shared memory."""
+    if LOAD == 0:
+        return tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
+    elif LOAD == 1:
+        return tl.inline_asm_elementwise("ld.global.cs.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    elif LOAD == 2:
+        return tl.inline_asm_elementwise("ld.global.L1::no_allocate.u32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.u32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _expand3d_kernel(words_ptr, out_ptr, n_words, R: tl.constexpr, T: tl.constexpr, STORE_CM: tl.constexpr,
+                     LOAD: tl.constexpr):
+    """nf4's loads and stores with R words per thread (thread t of T: words t, t + T, ...), no arithmetic."""
+    words_ptr = words_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    w = tl.program_id(0) * (R * T) + tl.arange(0, R)[:, None] * T + tl.arange(0, T)[None, :]
+    ok = w < n_words
+    word = _load_word(words_ptr + tl.minimum(w, n_words - 1), ok, LOAD)
+    k = tl.arange(0, 8)
+    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.float32)
+    tl.store(out_ptr + w[:, :, None] * 8 + k[None, None, :], nib.to(out_ptr.dtype.element_ty),
+             mask=ok[:, :, None], cache_modifier=STORE_CM)
+
+
+@triton.jit
+def _nf4_3d_kernel(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, n_words,
+                   BLOCKSIZE: tl.constexpr, R: tl.constexpr, T: tl.constexpr, STORE_CM: tl.constexpr,
+                   LOAD: tl.constexpr):
+    """The nf4 word path (double quant, ftz, 16-bit output) with R words per thread laid out as above."""
+    words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    w = tl.program_id(0) * (R * T) + tl.arange(0, R)[:, None] * T + tl.arange(0, T)[None, :]
+    ok = w < n_words
+    wc = tl.minimum(w, n_words - 1)
+    word = _load_word(words_ptr + wc, ok, LOAD)
+    absmax = _absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                              True, True, True)
+    k = tl.arange(0, 8)
+    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.int32)
+    y = _mul(_nf4_level(nib, code_ptr, 0), absmax[:, :, None], True, True)
+    _store_out(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, STORE_CM)
+
+
+LAB_GRID = ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (2, 8), (4, 8), (8, 8), (16, 4))
+LAB_LOADS = ((2, 2), (4, 4), (8, 4), (4, 8))  # also timed with every LOAD mode
+
+
+def layout_lab(case, copy_gbs, reps=100) -> list[dict]:
+    """Words per thread (R) x warps for a store-only, a load+store and an nf4 kernel with R words per
+    thread taken T apart (the store layout, so no relayout is needed)."""
+    import nf4.api as api
+
+    shape, dtype = parse_case(case)
+    n = math.prod(shape)
+    nbytes = timing.nf4_bytes(n, 64, torch.empty((), dtype=dtype).element_size())
+    sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
+    expected = peers.bnb_dequantize(*sets[0])
+    outs = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(2)]
+    n_words = n // 8
+    code = api._code_table(sets[0][0].device)
+    rows = []
+
+    def add(name, us, **extra):
+        row = {"case": case, "what": name, "device_us": round(us, 3), "bytes": nbytes,
+               "pct_copy": round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 2), **extra}
+        rows.append(row)
+        print(f"  {case:<16} {name:<52} {us:8.2f} us {row['pct_copy']:6.1f}%", flush=True)
+
+    for r, warps in LAB_GRID:
+        t = 32 * warps
+        grid = (triton.cdiv(n_words, r * t),)
+
+        def store(o, r=r, t=t, warps=warps, grid=grid):
+            _store3d_kernel[grid](o, n_words, R=r, T=t, STORE_CM=".cs", num_warps=warps)
+
+        def expand(s, r=r, t=t, warps=warps, grid=grid):
+            out = torch.empty(shape, dtype=dtype, device="cuda")
+            _expand3d_kernel[grid](s[0], out, n_words, R=r, T=t, STORE_CM=".cs", LOAD=1, num_warps=warps)
+            return out
+
+        tag = f"{r} words/thread, {warps} warps"
+        add(f"lab stores only, {tag}", _device_us(store, outs, reps), words_per_thread=r, num_warps=warps)
+        add(f"lab loads+stores, {tag}", _device_us(expand, sets, reps), words_per_thread=r, num_warps=warps)
+        for load in (0, 1, 2, 3) if (r, warps) in LAB_LOADS else (1,):
+            def dq(s, r=r, t=t, warps=warps, grid=grid, load=load):
+                p, q = s
+                out = torch.empty(shape, dtype=dtype, device="cuda")
+                _nf4_3d_kernel[grid](p, q.absmax, q.state2.absmax, q.state2.code, q.offset, code, out, n_words,
+                                     BLOCKSIZE=q.blocksize, R=r, T=t, STORE_CM=".cs", LOAD=load, num_warps=warps,
+                                     enable_fp_fusion=False)
+                return out
+
+            name = f"lab nf4, {tag}, load {load}"
+            bad = bitexact_count(dq(sets[0]), expected) if n % 8 == 0 else -1
+            if bad:
+                rows.append({"case": case, "what": name, "mismatches": bad})
+                print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
+            else:
+                add(name, _device_us(dq, sets, reps), words_per_thread=r, num_warps=warps, load=load)
+    del sets, expected, outs
+    torch.cuda.empty_cache()
+    return rows
 
 
 def _driver_memset():
@@ -222,6 +345,7 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="*", default=["8192x2048:fp16", "14336x4096:bf16", "28672x8192:bf16"])
     ap.add_argument("--out", default="results/tuning/probe.json")
     ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--lab", action="store_true", help="only the words-per-thread x warps layout lab")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("nf4.probe needs a CUDA GPU; nothing measured.", file=sys.stderr)
@@ -229,6 +353,11 @@ def main(argv=None):
     env = timing.environment()
     copy = timing.copy_bandwidth_gbs()
     print(f"{env['device']} triton {env['triton']} copy {copy['gbs']:.0f} GB/s", flush=True)
+    if args.lab:
+        rows = [row for case in args.cases for row in layout_lab(case, copy["gbs"], reps=args.reps)]
+        path = timing.write_json(args.out, {"env": env, "copy_bandwidth": copy, "lab": rows})
+        print(f"wrote {path}")
+        return 0
     host = host_parts()
     for name, us in host["us"].items():
         print(f"  host {name:<48} {us:7.2f} us  (second pass {host['us_second_pass'][name]:.2f})", flush=True)
