@@ -110,6 +110,102 @@ def _nf4_3d_kernel(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, c
     _store_out(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, STORE_CM)
 
 
+@triton.jit
+def _prefetch_lines(addr):
+    """prefetch.global.L2::evict_last of the 128-byte line at each address (returns zeros)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_bulk(addr, size):
+    """cp.async.bulk.prefetch.L2 of `size` bytes at `addr` where size != 0 (sm_90; returns zeros)."""
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\t"
+        "mov.u32 $0, 0;\n\t}", "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _nf4_pf_kernel(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, n_words,
+                   n_bytes, n_prefetchers, BLOCKSIZE: tl.constexpr, R: tl.constexpr, T: tl.constexpr,
+                   PF: tl.constexpr):
+    """_nf4_3d_kernel whose first n_prefetchers programs first prefetch the whole packed input into L2
+    (PF 1: one prefetch per 128-byte line; PF 2: one bulk prefetch per program), so that DRAM serves
+    the reads in one burst and then only writes."""
+    pid = tl.program_id(0)
+    if PF != 0:
+        if pid < n_prefetchers:
+            per = tl.cdiv(tl.cdiv(n_bytes, n_prefetchers), 128) * 128
+            start = pid * per
+            if PF == 1:
+                for j in range(0, per, 128 * T):
+                    off = start + j + tl.arange(0, T) * 128
+                    off = tl.minimum(off, n_bytes - 1)
+                    _prefetch_lines(packed_ptr + off)
+            else:
+                size = tl.maximum(tl.minimum(per, n_bytes - start), 0) // 16 * 16
+                lane = tl.arange(0, T)
+                _prefetch_bulk(packed_ptr + tl.minimum(start, n_bytes - 1) + lane * 0,
+                               tl.where(lane == 0, size, 0).to(tl.uint32))
+    words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    w = pid * (R * T) + tl.arange(0, R)[:, None] * T + tl.arange(0, T)[None, :]
+    ok = w < n_words
+    wc = tl.minimum(w, n_words - 1)
+    word = tl.load(words_ptr + wc)
+    absmax = _absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                              True, True, True)
+    k = tl.arange(0, 8)
+    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.int32)
+    y = _mul(_nf4_level(nib, code_ptr, 0), absmax[:, :, None], True, True)
+    _store_out(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, ".cs")
+
+
+PF_GRID = tuple((r, w, pf, per_sm) for r, w in ((2, 2), (2, 4), (1, 4)) for pf, per_sm in
+                ((0, 0), (1, 8), (1, 32), (2, 8), (2, 32)))
+
+
+def prefetch_lab(case, copy_gbs, reps=100) -> list[dict]:
+    """The upfront-prefetch variants of the nf4 kernel (each checked bit-exact first)."""
+    import nf4.api as api
+
+    shape, dtype = parse_case(case)
+    n = math.prod(shape)
+    nbytes = timing.nf4_bytes(n, 64, torch.empty((), dtype=dtype).element_size())
+    sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
+    expected = peers.bnb_dequantize(*sets[0])
+    n_words, n_bytes = n // 8, (n + 1) // 2
+    code = api._code_table(sets[0][0].device)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for r, warps, pf, per_sm in PF_GRID:
+        t = 32 * warps
+        grid = (triton.cdiv(n_words, r * t),)
+
+        def dq(s, r=r, t=t, warps=warps, grid=grid, pf=pf, per_sm=per_sm):
+            p, q = s
+            out = torch.empty(shape, dtype=dtype, device="cuda")
+            _nf4_pf_kernel[grid](p, q.absmax, q.state2.absmax, q.state2.code, q.offset, code, out, n_words,
+                                 n_bytes, max(1, min(grid[0], per_sm * sms)), BLOCKSIZE=q.blocksize, R=r, T=t,
+                                 PF=pf, num_warps=warps, enable_fp_fusion=False)
+            return out
+
+        name = f"pf nf4, {r} words/thread, {warps} warps, prefetch {pf}, {per_sm} prefetchers/SM"
+        bad = bitexact_count(dq(sets[0]), expected) if n % 8 == 0 else -1
+        if bad:
+            rows.append({"case": case, "what": name, "mismatches": bad})
+            print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
+            continue
+        us = _device_us(dq, sets, reps)
+        rows.append({"case": case, "what": name, "device_us": round(us, 3), "bytes": nbytes,
+                     "pct_copy": round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 2), "words_per_thread": r,
+                     "num_warps": warps, "prefetch": pf, "prefetchers_per_sm": per_sm})
+        print(f"  {case:<16} {name:<64} {us:8.2f} us {rows[-1]['pct_copy']:6.1f}%", flush=True)
+    del sets, expected
+    torch.cuda.empty_cache()
+    return rows
+
+
 LAB_GRID = ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (2, 8), (4, 8), (8, 8), (16, 4))
 LAB_LOADS = ((2, 2), (4, 4), (8, 4), (4, 8))  # also timed with every LOAD mode
 
@@ -346,6 +442,7 @@ def main(argv=None):
     ap.add_argument("--out", default="results/tuning/probe.json")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--lab", action="store_true", help="only the words-per-thread x warps layout lab")
+    ap.add_argument("--prefetch-lab", action="store_true", help="only the upfront L2 prefetch variants")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("nf4.probe needs a CUDA GPU; nothing measured.", file=sys.stderr)
@@ -353,6 +450,11 @@ def main(argv=None):
     env = timing.environment()
     copy = timing.copy_bandwidth_gbs()
     print(f"{env['device']} triton {env['triton']} copy {copy['gbs']:.0f} GB/s", flush=True)
+    if args.prefetch_lab:
+        rows = [row for case in args.cases for row in prefetch_lab(case, copy["gbs"], reps=args.reps)]
+        path = timing.write_json(args.out, {"env": env, "copy_bandwidth": copy, "lab": rows})
+        print(f"wrote {path}")
+        return 0
     if args.lab:
         rows = [row for case in args.cases for row in layout_lab(case, copy["gbs"], reps=args.reps)]
         path = timing.write_json(args.out, {"env": env, "copy_bandwidth": copy, "lab": rows})
