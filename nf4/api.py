@@ -324,8 +324,9 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     code = _code_table(device, codebook)
     asm = ftz and not interpreting
     bf16_bits = interpreting or BF16_BITS
+    row = min(tile, 32 * num_warps)  # words per row of the word tile: one per thread
     args = (packed, absmax, absmax2, code2, offset, code, out, n, n_bytes, n_words,
-            blocksize, tile, nested, ftz, asm, codebook, vec, index_64, evict_stream, bf16_bits, store_cm,
+            blocksize, tile, row, nested, ftz, asm, codebook, vec, index_64, evict_stream, bf16_bits, store_cm,
             bool(programs_per_sm) and vec)
     if interpreting:
         nf4_dequantize_kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=fp_fusion)

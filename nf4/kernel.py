@@ -10,11 +10,10 @@ Each thread expands a word into its 8 nibbles (element 2k is the HIGH nibble of 
 the 8 outputs with one 16-byte store (two for float32); the stores are laid out so that the
 threads of a warp write consecutive 16-byte pieces, i.e. a warp's store covers 512 contiguous
 bytes. (Giving each thread 16 contiguous packed bytes instead made its four stores land 64 bytes
-apart across the warp and ran markedly slower on an H200: results/tuning/.) With the default
-tile (two words per thread) Triton loads the two words as one 8-byte vector and moves them to the
-store layout through 512 bytes of shared memory; with one word per thread there is no shuffle,
-but that measured slower. Weights past the last whole word (fewer than 8) and packed tensors that
-are not 4-byte aligned take a byte-wise path.
+apart across the warp and ran markedly slower on an H200: results/tuning/.) A thread's words are
+a row apart (see _words), and each is loaded on its own, so no word moves through shared memory
+between the load and the store. Weights past the last whole word (fewer than 8) and packed
+tensors that are not 4-byte aligned take a byte-wise path.
 
 Exactness: the default GPU path multiplies with PTX `mul.rn.ftz.f32` (inline asm), which the
 compiler cannot fuse with the following add, and flushes like bitsandbytes' fast-math CUDA build.
@@ -133,12 +132,12 @@ def _absmax_of_block(blk, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
 @triton.jit
 def _expand_word(word, absmax, code_ptr, FIRST: tl.constexpr, COUNT: tl.constexpr, CODEBOOK: tl.constexpr,
                  FTZ: tl.constexpr, ASM: tl.constexpr):
-    """[R] uint32 words (4 packed bytes) -> [R, COUNT] float32 weights FIRST.. of the word's 8."""
+    """[R, C] uint32 words (4 packed bytes) -> [R, C, COUNT] float32 weights FIRST.. of each word's 8."""
     k = FIRST + tl.arange(0, COUNT)
     # Little-endian: byte j of the word is bits 8j..8j+7; element 2j is its high nibble.
     shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
-    nib = ((word[:, None] >> shift[None, :]) & 0xF).to(tl.int32)
-    return _mul(_nf4_level(nib, code_ptr, CODEBOOK), absmax[:, None], FTZ, ASM)
+    nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.int32)
+    return _mul(_nf4_level(nib, code_ptr, CODEBOOK), absmax[:, :, None], FTZ, ASM)
 
 
 @triton.jit
@@ -150,12 +149,12 @@ def _expand_word_pairs(word, absmax, pair_ptr, FIRST: tl.constexpr, COUNT: tl.co
     half, so a byte's two levels arrive in one load (half the gathers of the 16-entry table).
     """
     j = FIRST // 2 + tl.arange(0, COUNT // 2)
-    byte = ((word[:, None] >> (j * 8).to(tl.uint32)[None, :]) & 0xFF).to(tl.int32)
+    byte = ((word[:, :, None] >> (j * 8).to(tl.uint32)[None, None, :]) & 0xFF).to(tl.int32)
     pair = tl.load(pair_ptr + byte, eviction_policy="evict_last")
     hi = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
     lo = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-    levels = tl.reshape(tl.join(hi, lo), (word.shape[0], COUNT))
-    return _mul(levels, absmax[:, None], FTZ, ASM)
+    levels = tl.reshape(tl.join(hi, lo), (word.shape[0], word.shape[1], COUNT))
+    return _mul(levels, absmax[:, :, None], FTZ, ASM)
 
 
 @triton.jit
@@ -179,19 +178,30 @@ def _store_part(out_ptr, base, word, absmax, code_ptr, m, FIRST: tl.constexpr, C
         y = _expand_word_pairs(word, absmax, pair_ptr, FIRST, COUNT, FTZ, ASM)
     else:
         y = _expand_word(word, absmax, code_ptr, FIRST, COUNT, CODEBOOK, FTZ, ASM)
-    _store_out(out_ptr, base + FIRST + tl.arange(0, COUNT)[None, :], y, m, BF16_BITS, STORE_CM)
+    _store_out(out_ptr, base + FIRST + tl.arange(0, COUNT)[None, None, :], y, m, BF16_BITS, STORE_CM)
 
 
 @triton.jit
-def _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, w, ok,
-           BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
-           CODEBOOK: tl.constexpr, EVICT_STREAM: tl.constexpr, BF16_BITS: tl.constexpr, STORE_CM: tl.constexpr):
-    """Whole 32-bit words w: 8 weights each, one 16-byte store per word (two for float32)."""
+def _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, first, n_words,
+           TILE: tl.constexpr, ROW: tl.constexpr, BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr,
+           FTZ: tl.constexpr, ASM: tl.constexpr, CODEBOOK: tl.constexpr, EVICT_STREAM: tl.constexpr,
+           BF16_BITS: tl.constexpr, STORE_CM: tl.constexpr):
+    """The TILE whole 32-bit words from `first`: 8 weights each, one 16-byte store per word (two for float32).
+
+    The words are a [TILE / ROW, ROW] tile, ROW = min(TILE, threads per program): thread t takes
+    words t, t + ROW, ..., so each warp-wide store covers 512 contiguous bytes. Words past n_words
+    are clamped to the last one for the loads (in bounds; their stores are masked): with no mask on
+    the word load, Triton does not merge a thread's words into one wider load, which would then have
+    to be moved to the store layout through shared memory.
+    """
+    w = first + tl.arange(0, TILE // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
+    ok = w < n_words
+    wc = tl.minimum(w, n_words - 1)
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-    word = tl.load(words_ptr + w, mask=ok, other=0, eviction_policy=EVICT_STREAM)
-    absmax = _absmax_of_block(w // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+    word = tl.load(words_ptr + wc, eviction_policy=EVICT_STREAM)
+    absmax = _absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                               DOUBLE_QUANT, FTZ, ASM)
-    _store_word(out_ptr, w[:, None] * 8, word, absmax, code_ptr, ok[:, None], CODEBOOK, FTZ, ASM, BF16_BITS,
+    _store_word(out_ptr, w[:, :, None] * 8, word, absmax, code_ptr, ok[:, :, None], CODEBOOK, FTZ, ASM, BF16_BITS,
                 STORE_CM)
 
 
@@ -228,6 +238,7 @@ def nf4_dequantize_kernel(
     # meta-parameters
     BLOCKSIZE: tl.constexpr,  # weights per absmax block (32 ... 4096)
     TILE: tl.constexpr,  # words (VEC) or bytes per program
+    ROW: tl.constexpr,  # words per row of the word tile: min(TILE, 32 * num_warps)
     DOUBLE_QUANT: tl.constexpr,
     FTZ: tl.constexpr,  # flush subnormals like bitsandbytes' CUDA build
     ASM: tl.constexpr,  # FTZ through PTX mul.rn.ftz.f32 (not in the interpreter)
@@ -249,9 +260,8 @@ def nf4_dequantize_kernel(
         n_progs = tl.num_programs(0).to(pid.dtype)
         n_tiles = tl.cdiv(n_words, TILE).to(pid.dtype)
         for t in range(pid, n_tiles, n_progs):
-            w = t * TILE + tl.arange(0, TILE)
-            _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, w, w < n_words,
-                   BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, EVICT_STREAM, BF16_BITS, STORE_CM)
+            _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, t * TILE, n_words,
+                   TILE, ROW, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, EVICT_STREAM, BF16_BITS, STORE_CM)
         if pid == n_progs - 1:
             b = n_words.to(pid.dtype) * 4 + tl.arange(0, 4)
             _bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, b, n, n_bytes,
@@ -259,12 +269,11 @@ def nf4_dequantize_kernel(
     elif VEC:
         if pid * TILE < n_words:
             # Consecutive threads take consecutive words, so every warp-wide 16-byte store covers
-            # 512 contiguous bytes. n_words is not specialised by Triton, so the mask below keeps
-            # the load one word per thread (a 16-byte load per thread would make each warp's
-            # stores stride 64 bytes apart, and measured 1.7x slower on an H200).
-            w = pid * TILE + tl.arange(0, TILE)
-            _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, w, w < n_words,
-                   BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, EVICT_STREAM, BF16_BITS, STORE_CM)
+            # 512 contiguous bytes (16 packed bytes per thread instead made each warp's stores
+            # stride 64 bytes apart, and measured 1.7x slower on an H200).
+            _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, pid * TILE,
+                   n_words, TILE, ROW, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, EVICT_STREAM, BF16_BITS,
+                   STORE_CM)
         else:  # the one program past the words: the last 1-4 bytes (fewer than 8 weights)
             b = n_words.to(pid.dtype) * 4 + tl.arange(0, 4)  # int64 with INDEX_64: b * 2 passes 2**31
             _bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, b, n, n_bytes,
