@@ -24,9 +24,13 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PACKED_DTYPES = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32)
 _INT32_LIMIT = 2**31 - 1
 
-# Tuned on an H100/H200 (see experiments/ and results/): bytes of packed weights per program.
-TILE_BYTES = 512  # with 2 warps: two 32-bit words per thread (tuned on an H200, results/nf4_bench.json)
-NUM_WARPS = 2
+# Tuned on an H200 (results/tuning/h200_sweep_rows_layout.json, results/tuning/h200_lab_*.json):
+# packed bytes per program and warps. Both give each thread two 32-bit words; programs of 4 warps
+# ran faster on weights whose output is at most SMALL_OUT_BYTES (the challenge's 8192x2048 and
+# 4096x1024), programs of 2 warps slightly faster on larger ones.
+TILE_BYTES, NUM_WARPS = 512, 2
+TILE_BYTES_SMALL, NUM_WARPS_SMALL = 1024, 4
+SMALL_OUT_BYTES = 48 << 20
 CODEBOOK = 0  # 0: table gather, 1: select tree
 EVICT_STREAM = "evict_first"
 STORE_CM = ".cs"  # streaming stores: the output is not read back by this kernel
@@ -294,8 +298,11 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     The keyword arguments exist for the experiments: meta-parameters, and `fp_fusion=True`, which
     lets the compiler contract multiply-adds into FMAs (not bit-exact; never used by `dequantize`).
     """
-    tile_bytes = TILE_BYTES if tile_bytes is None else tile_bytes
-    num_warps = NUM_WARPS if num_warps is None else num_warps
+    small = n * out.element_size() <= SMALL_OUT_BYTES
+    if tile_bytes is None:
+        tile_bytes = TILE_BYTES_SMALL if small else TILE_BYTES
+    if num_warps is None:
+        num_warps = NUM_WARPS_SMALL if small else NUM_WARPS
     codebook = CODEBOOK if codebook is None else codebook
     evict_stream = EVICT_STREAM if evict_stream is None else evict_stream
     store_cm = STORE_CM if store_cm is None else store_cm
