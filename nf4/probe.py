@@ -414,6 +414,12 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
             return out
         return call
 
+    base = cfg_call(None, None, None)  # nf4.dequantize's own choice for this size
+    bad = bitexact_count(base(sets[0]), expected)
+    if bad:
+        raise RuntimeError(f"nf4 with its defaults is not bit-exact on {case}: {bad} elements")
+    add("nf4 with its defaults", _device_us(base, sets, reps))
+
     grid = grid or ([(512, 2, 0)] + [(t, w, k) for t in (512, 1024) for w in (2, 4) for k in (4, 8, 16, 32)
                                      if not (w == 4 and k == 32)])
     for tile, warps, per_sm in grid:
@@ -426,8 +432,7 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
             continue
         add(name, _device_us(call, sets, reps), tile_bytes=tile, num_warps=warps, programs_per_sm=per_sm,
             graph_us=(timing.graph_time_us(call, sets) or {}).get("median_us"))
-    base = cfg_call(512, 2, 0)
-    add("nf4 default, L2 read-flushed before each call", _device_us(base, sets, reps, flush=flush))
+    add("nf4 with its defaults, L2 read-flushed before each call", _device_us(base, sets, reps, flush=flush))
     add("copy of the same byte count, L2 read-flushed", _device_us(
         lambda s: s[1].copy_(s[0]), [(torch.empty(half, dtype=torch.uint8, device="cuda"),
                                       torch.empty(half, dtype=torch.uint8, device="cuda"))], reps, flush=flush))

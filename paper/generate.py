@@ -956,7 +956,7 @@ class Generator:
     PROBE_ROWS = (("copy of the same byte count", "torch copy, same bytes"),
                   ("fill of the output (writes only)", "fill of the output only"),
                   ("same loads/stores, no dequantization", "same loads and stores, no arithmetic"),
-                  ("nf4 tile 512 B, 2 warps, one tile per program", "nf4 (one tile per program)"))
+                  ("nf4 with its defaults", "nf4 (one tile per program)"))
     PROBE_HOST = (("empty Triton kernel, JIT launch", "empty Triton kernel, JIT launch"),
                   ("plan lookup + match", "fast path: plan lookup and checks"),
                   ("torch.empty(shape, dtype=, device=)", "torch.empty(shape, dtype=, device=)"),
