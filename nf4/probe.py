@@ -28,19 +28,6 @@ from .kernel import _absmax_of_block, _mul, _nf4_level, _store_out
 
 
 @triton.jit
-def _expand_floor_kernel(words_ptr, out_ptr, n_words, TILE: tl.constexpr):
-    """Same loads and stores as the nf4 word path, no dequantization: out = the nibbles as numbers."""
-    w = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    ok = w < n_words
-    word = tl.load(words_ptr + w, mask=ok, other=0, eviction_policy="evict_first")
-    k = tl.arange(0, 8)
-    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
-    nib = ((word[:, None] >> shift[None, :]) & 0xF).to(tl.float32)
-    tl.store(out_ptr + w[:, None] * 8 + k[None, :], nib.to(out_ptr.dtype.element_ty), mask=ok[:, None],
-             cache_modifier=".cs")
-
-
-@triton.jit
 def _store_floor_kernel(out_ptr, n_words, TILE: tl.constexpr, STORE_CM: tl.constexpr):
     """Only nf4's stores (zeros): 8 outputs per 32-bit word, a warp's store covering contiguous bytes."""
     w = tl.program_id(0) * TILE + tl.arange(0, TILE)
@@ -65,6 +52,8 @@ def _load_word(ptr, mask, LOAD: tl.constexpr):
     use, so that Triton does not vectorise the load and then move the words through shared memory."""
     if LOAD == 0:
         return tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
+    elif LOAD == 4:  # as nf4/kernel.py: the index is clamped in bounds, the load is not masked
+        return tl.load(ptr, eviction_policy="evict_first")
     elif LOAD == 1:
         return tl.inline_asm_elementwise("ld.global.cs.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32,
                                          is_pure=True, pack=1)
@@ -395,10 +384,15 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
 
         add(f"nf4's stores only: {tile} words, {warps} warps, cache '{cm}'", _device_us(store_call, outs, reps))
 
-    def floor_call(s):
+    small = n * out_bytes <= api.SMALL_OUT_BYTES
+    tile_words = (api.TILE_BYTES_SMALL if small else api.TILE_BYTES) // 4
+    warps = api.NUM_WARPS_SMALL if small else api.NUM_WARPS
+    row = min(tile_words, 32 * warps)
+
+    def floor_call(s):  # nf4's tile, warps, word layout, loads and stores, with no dequantization
         out = torch.empty(shape, dtype=dtype, device="cuda")
-        words = s[0].view(-1).view(torch.int32)
-        _expand_floor_kernel[(triton.cdiv(n_words, 128),)](words, out, n_words, TILE=128, num_warps=2)
+        _expand3d_kernel[(triton.cdiv(n_words, tile_words),)](s[0], out, n_words, R=tile_words // row, T=row,
+                                                              STORE_CM=".cs", LOAD=4, num_warps=warps)
         return out
 
     add("same loads/stores, no dequantization", _device_us(floor_call, sets, reps))
