@@ -953,10 +953,11 @@ class Generator:
     # --- results/probe_<gpu>.json: where the time goes (nf4.probe) -------------------------------------
 
     PROBE_CASES = ("8192x2048:fp16", "14336x4096:bf16", "28672x8192:bf16")
-    PROBE_ROWS = (("copy of the same byte count", "torch copy, same bytes"),
-                  ("fill of the output (writes only)", "fill of the output only"),
-                  ("same loads/stores, no dequantization", "same loads and stores, no arithmetic"),
-                  ("nf4 with its defaults", "nf4 (one tile per program)"))
+    PROBE_ROWS = (("copy of the same byte count", "torch copy, same byte count"),
+                  ("fill of the output (writes only)", "torch fill of the output only"),
+                  ("driver memset of the output (writes only)", "driver memset of the output only"),
+                  ("same loads/stores, no dequantization", "nf4's loads and stores, no arithmetic"),
+                  ("nf4 with its defaults", "nf4"))
     PROBE_HOST = (("empty Triton kernel, JIT launch", "empty Triton kernel, JIT launch"),
                   ("plan lookup + match", "fast path: plan lookup and checks"),
                   ("torch.empty(shape, dtype=, device=)", "torch.empty(shape, dtype=, device=)"),
@@ -988,18 +989,18 @@ class Generator:
             return (by.get((case, what)) or {}).get(key)
 
         for case, tag in zip(self.PROBE_CASES, ("Small", "Mid", "Large"), strict=True):
-            for (what, _), name in zip(self.PROBE_ROWS, ("Copy", "Fill", "Floor", "NF"), strict=True):
+            for (what, _), name in zip(self.PROBE_ROWS, ("Copy", "Fill", "Memset", "Floor", "NF"), strict=True):
                 self.macro(f"NFprobe{name}Pct{tag}", pct(get(case, what, "pct_copy")))
                 self.macro(f"NFprobe{name}Us{tag}", us(get(case, what)))
         persist = [r for r in rows if r.get("programs_per_sm")]
         best = {c: min((r for r in persist if r.get("case") == c), key=lambda r: r["device_us"], default=None)
                 for c in self.PROBE_CASES}
-        slower = [c for c in self.PROBE_CASES if best.get(c) and number(get(c, self.PROBE_ROWS[3][0]))
-                  and best[c]["device_us"] > get(c, self.PROBE_ROWS[3][0])]
-        compared = [c for c in self.PROBE_CASES if best.get(c) and number(get(c, self.PROBE_ROWS[3][0]))]
+        slower = [c for c in self.PROBE_CASES if best.get(c) and number(get(c, self.PROBE_ROWS[4][0]))
+                  and best[c]["device_us"] > get(c, self.PROBE_ROWS[4][0])]
+        compared = [c for c in self.PROBE_CASES if best.get(c) and number(get(c, self.PROBE_ROWS[4][0]))]
         self.macro("NFprobePersistSlowerCount", integer(len(slower)) if compared else NM)
         self.macro("NFprobeCaseCount", integer(len(compared)) if compared else NM)
-        nf_mid, floor_mid = number(get(mid, self.PROBE_ROWS[3][0])), number(get(mid, self.PROBE_ROWS[2][0]))
+        nf_mid, floor_mid = number(get(mid, self.PROBE_ROWS[4][0])), number(get(mid, self.PROBE_ROWS[3][0]))
         self.macro("NFprobeNFOverFloorMid", ratio(nf_mid / floor_mid) if nf_mid and floor_mid else NM)
         bm = best.get(mid)
         self.macro("NFprobePersistBestUsMid", us(bm["device_us"]) if bm else NM)
