@@ -397,6 +397,9 @@ class Generator:
             self.macro(f"NFfloorUs{name}", us(floor))
             self.macro(f"NFhostUs{name}", us(r.get("host_us")))
             self.macro(f"NFgraphUs{name}", us(r.get("graph_us")))
+            ob = (by.get((*case, "nf4_out_buffer"), {}) if case else {}).get("device_us")
+            self.macro(f"NFoutBufferUs{name}", us(ob))
+            self.macro(f"NFoutBufferGapUs{name}", us(ob - r["device_us"]) if ob and r.get("device_us") else NM)
             for peer, stem in PEERS.items():
                 p = by.get((*case, peer), {}) if case else {}
                 self.macro(f"NFus{stem}{name}", us(p.get("device_us")))
