@@ -72,6 +72,7 @@ class _Plan:
         "out_ref",
         "packed",
         "packed_ptr",
+        "plain",
         "shape",
         "state2",
         "state2_absmax",
@@ -80,11 +81,17 @@ class _Plan:
     )
 
     def matches(self, packed, qs) -> bool:
-        return (packed is self.packed and qs.absmax is self.absmax and qs.shape is self.shape
+        if not (packed is self.packed and qs.absmax is self.absmax and qs.shape is self.shape
                 and qs.dtype is self.dtype and qs.state2 is self.state2 and qs.offset is self.offset
                 and qs.blocksize == self.blocksize
-                and (self.state2 is None or self.state2.absmax is self.state2_absmax)
-                and packed.data_ptr() == self.packed_ptr)
+                and (self.state2 is None or self.state2.absmax is self.state2_absmax)):
+            return False
+        if self.plain:
+            return packed.data_ptr() == self.packed_ptr
+        # A tensor subclass with its own __torch_function__ (bitsandbytes' Params4bit) turns every
+        # method call into a Python dispatch, several times the cost of the call itself.
+        with _NO_TORCH_FUNCTION():
+            return packed.data_ptr() == self.packed_ptr
 
     def run(self, out=None) -> torch.Tensor:
         if out is None:
@@ -125,6 +132,7 @@ def _hooks_active() -> bool:
     return False
 
 
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 # The current CUDA stream of a device as an int (absent from CPU-only builds, where no plan exists).
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -144,6 +152,8 @@ def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) ->
     plan.offset = getattr(qs, "offset", None) if plan.state2 is not None else None
     plan.state2_absmax = plan.state2.absmax if plan.state2 is not None else None
     plan.packed_ptr = packed.data_ptr()
+    plan.plain = (type(packed) is torch.Tensor
+                  or type(packed).__torch_function__ is torch._C._disabled_torch_function_impl)
     plan.device, plan.device_index, plan.out_dtype = packed.device, packed.device.index, out_dtype
     plan.template = torch.empty(0, dtype=out_dtype, device=packed.device)
     plan.transpose = packed.shape[0] == 1

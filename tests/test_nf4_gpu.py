@@ -377,3 +377,29 @@ def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, monkeypatch, progr
     plan = nf4.api._plans[id(state)]
     direct = ".".join(triton.__version__.split(".")[:2]) in nf4.api.DIRECT_LAUNCH_VERSIONS
     assert (type(plan.launch).__name__ == "builtin_function_or_method") == direct, type(plan.launch)
+
+
+def test_fast_path_params4bit_and_data_swap(nf4h):
+    """Repeated calls on a Linear4bit's Params4bit (a tensor subclass with its own __torch_function__)
+    take the cached launch and stay exact; after `weight.data` is swapped for other packed bytes (same
+    object, same quant_state) the next call reads the new bytes, not the pointer it cached."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(nf4h.case_seed("params4bit-swap"))
+    layer = bnb.nn.Linear4bit(333, 129, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True,
+                              quant_type="nf4", quant_storage=torch.uint8).to(CUDA)
+    w, qs = layer.weight, layer.weight.quant_state
+    qs.dtype = torch.bfloat16
+    expected = _bnb(w.data, qs)
+    for i in range(3):
+        assert_bitexact(nf4.dequantize(w, qs), expected, name=f"Params4bit call {i}")
+    plan = nf4.api._plans[id(qs)]
+    assert not plan.plain and plan.matches(w, qs)
+    swapped = torch.randint(0, 256, w.data.shape, dtype=torch.uint8, device=CUDA,
+                            generator=torch.Generator(device=CUDA).manual_seed(1))
+    w.data = swapped
+    assert not plan.matches(w, qs)
+    expected_swapped = _bnb(swapped, qs)
+    assert not torch.equal(expected_swapped.view(torch.int16), expected.view(torch.int16))
+    for i in range(2):
+        assert_bitexact(nf4.dequantize(w, qs), expected_swapped, name=f"after the data swap, call {i}")
