@@ -659,8 +659,8 @@ class Generator:
         worst = max((wall(c, "nf4.out_buffer") - wall(c, "nf4") for c in odd), default=None)
         self.macro("NFchallengeNoiseNote", (
             rf"In {integer(len(odd))} of {integer(len(configs))} configurations \code{{nf4}} with a reused "
-            r"output buffer, which skips the allocation, took longer per call than plain \code{nf4}, by up "
-            rf"to {us(worst)}\us: one run of this wall-clock harness is that noisy.") if odd else "")
+            r"output buffer, which skips the allocation but adds the caller's lookup of its buffer, took "
+            rf"longer per call than plain \code{{nf4}}, by up to {us(worst)}\us.") if odd else "")
         exact = sum(1 for c in configs if ((c.get("impls") or {}).get("nf4") or {}).get("bitexact"))
         self.macro("NFchallengeNFExact", integer(exact) if configs else NM)
         self.macro("NFchallengeFailures", integer(len(ch.get("failures") or [])) if ch else NM)
