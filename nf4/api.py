@@ -60,14 +60,12 @@ class _Plan:
         "absmax",
         "args_post",
         "blocksize",
-        "device",
         "device_index",
         "dtype",
         "grid_x",
         "head",
         "launch",
         "offset",
-        "out_dtype",
         "out_ptr",
         "out_ref",
         "packed",
@@ -154,7 +152,7 @@ def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) ->
     plan.packed_ptr = packed.data_ptr()
     plan.plain = (type(packed) is torch.Tensor
                   or type(packed).__torch_function__ is torch._C._disabled_torch_function_impl)
-    plan.device, plan.device_index, plan.out_dtype = packed.device, packed.device.index, out_dtype
+    plan.device_index = packed.device.index
     plan.template = torch.empty(0, dtype=out_dtype, device=packed.device)
     plan.transpose = packed.shape[0] == 1
     plan.grid_x, plan.blocksize = grid_x, qs.blocksize

@@ -158,11 +158,7 @@ def prefetch_lab(case, copy_gbs, reps=100) -> list[dict]:
     """The upfront-prefetch variants of the nf4 kernel (each checked bit-exact first)."""
     import nf4.api as api
 
-    shape, dtype = parse_case(case)
-    n = math.prod(shape)
-    nbytes = timing.nf4_bytes(n, 64, torch.empty((), dtype=dtype).element_size())
-    sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
-    expected = peers.bnb_dequantize(*sets[0])
+    shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     n_words, n_bytes = n // 8, (n + 1) // 2
     code = api._code_table(sets[0][0].device)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -185,11 +181,8 @@ def prefetch_lab(case, copy_gbs, reps=100) -> list[dict]:
             rows.append({"case": case, "what": name, "mismatches": bad})
             print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
             continue
-        us = _device_us(dq, sets, reps)
-        rows.append({"case": case, "what": name, "device_us": round(us, 3), "bytes": nbytes,
-                     "pct_copy": round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 2), "words_per_thread": r,
-                     "num_warps": warps, "prefetch": pf, "prefetchers_per_sm": per_sm})
-        print(f"  {case:<16} {name:<64} {us:8.2f} us {rows[-1]['pct_copy']:6.1f}%", flush=True)
+        _add_row(rows, case, name, _device_us(dq, sets, reps), nbytes, copy_gbs, 64, words_per_thread=r,
+                 num_warps=warps, prefetch=pf, prefetchers_per_sm=per_sm)
     del sets, expected
     torch.cuda.empty_cache()
     return rows
@@ -204,21 +197,14 @@ def layout_lab(case, copy_gbs, reps=100) -> list[dict]:
     thread taken T apart (the store layout, so no relayout is needed)."""
     import nf4.api as api
 
-    shape, dtype = parse_case(case)
-    n = math.prod(shape)
-    nbytes = timing.nf4_bytes(n, 64, torch.empty((), dtype=dtype).element_size())
-    sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
-    expected = peers.bnb_dequantize(*sets[0])
+    shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     outs = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(2)]
     n_words = n // 8
     code = api._code_table(sets[0][0].device)
     rows = []
 
     def add(name, us, **extra):
-        row = {"case": case, "what": name, "device_us": round(us, 3), "bytes": nbytes,
-               "pct_copy": round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 2), **extra}
-        rows.append(row)
-        print(f"  {case:<16} {name:<52} {us:8.2f} us {row['pct_copy']:6.1f}%", flush=True)
+        _add_row(rows, case, name, us, nbytes, copy_gbs, 52, **extra)
 
     for r, warps in LAB_GRID:
         t = 32 * warps
@@ -271,6 +257,23 @@ def _driver_memset():
         return t
 
     return memset
+
+
+def _case_inputs(case):
+    """(shape, dtype, n, bytes nf4 moves, rotated (packed, quant_state) sets, bitsandbytes' output)."""
+    shape, dtype = parse_case(case)
+    n = math.prod(shape)
+    nbytes = timing.nf4_bytes(n, 64, torch.empty((), dtype=dtype).element_size())
+    sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
+    return shape, dtype, n, nbytes, sets, peers.bnb_dequantize(*sets[0])
+
+
+def _add_row(rows, case, name, us, nbytes, copy_gbs, width, **extra):
+    """Append a timed row (device us, % of the copy bandwidth for nf4's bytes) and print it."""
+    row = {"case": case, "what": name, "device_us": round(us, 3), "bytes": nbytes,
+           "pct_copy": round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 2), **extra}
+    rows.append(row)
+    print(f"  {case:<16} {name:<{width}} {us:8.2f} us {row['pct_copy']:6.1f}%", flush=True)
 
 
 def _host(fn, calls=300):
@@ -351,19 +354,12 @@ def _device_us(call, sets, reps, flush=None):
 def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
     import nf4.api as api
 
-    shape, dtype = parse_case(case)
-    n = math.prod(shape)
-    out_bytes = torch.empty((), dtype=dtype).element_size()
-    nbytes = timing.nf4_bytes(n, 64, out_bytes)
-    sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
-    expected = peers.bnb_dequantize(*sets[0])
+    shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
+    out_bytes = expected.element_size()
     rows = []
 
     def add(name, us, **extra):
-        row = {"case": case, "what": name, "device_us": round(us, 3), "bytes": nbytes,
-               "pct_copy": round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 2), **extra}
-        rows.append(row)
-        print(f"  {case:<16} {name:<48} {us:8.2f} us {row['pct_copy']:6.1f}%", flush=True)
+        _add_row(rows, case, name, us, nbytes, copy_gbs, 48, **extra)
 
     half = nbytes // 2
     pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))

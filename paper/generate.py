@@ -1015,12 +1015,9 @@ class Generator:
                           ("plan.run(out) via CompiledKernel.run", "LaunchWrapper"),
                           ("nf4.dequantize(p, q, out=buf)", "CallOut"), ("nf4.dequantize(p, q)", "Call")):
             self.macro(f"NFprobeHost{name}", _us_range(host.get(key), host2.get(key)))
-        alloc, launch, jit = (number(host.get(k)) for k in ("Tensor.new_empty(shape)",
-                                                            "plan.run(out) via the C launch function",
-                                                            "empty Triton kernel, JIT launch"))
-        alloc2, launch2, jit2 = (number(host2.get(k)) for k in ("Tensor.new_empty(shape)",
-                                                                "plan.run(out) via the C launch function",
-                                                                "empty Triton kernel, JIT launch"))
+        steps = ("Tensor.new_empty(shape)", "plan.run(out) via the C launch function",
+                 "empty Triton kernel, JIT launch")
+        (alloc, launch, jit), (alloc2, launch2, jit2) = ([number(h.get(k)) for k in steps] for h in (host, host2))
         self.macro("NFprobeHostAllocLaunch", _us_range(alloc + launch, alloc2 + launch2)
                    if alloc and launch and alloc2 and launch2 else NM)
         self.macro("NFprobeHostHalfJit", _us_range(jit / 2, jit2 / 2) if jit and jit2 else NM)
