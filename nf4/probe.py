@@ -57,6 +57,12 @@ def _load_word(ptr, mask, LOAD: tl.constexpr):
     elif LOAD == 1:
         return tl.inline_asm_elementwise("ld.global.cs.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32,
                                          is_pure=True, pack=1)
+    elif LOAD == 5:  # non-coherent, and L2 fetches the whole 256-byte block around each miss
+        return tl.inline_asm_elementwise("ld.global.nc.L2::256B.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    elif LOAD == 6:  # the same prefetch-size hint on a coherent streaming load
+        return tl.inline_asm_elementwise("ld.global.cs.L2::256B.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
     elif LOAD == 2:
         return tl.inline_asm_elementwise("ld.global.L1::no_allocate.u32 $0, [$1];", "=r,l", [ptr],
                                          dtype=tl.uint32, is_pure=True, pack=1)
@@ -308,7 +314,7 @@ def pipe_lab(case, copy_gbs, reps=100) -> list[dict]:
 
 
 LAB_GRID = ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (2, 8), (4, 8), (8, 8), (16, 4))
-LAB_LOADS = ((2, 2), (4, 4), (8, 4), (4, 8))  # also timed with every LOAD mode
+LAB_LOADS = ((2, 2), (2, 4), (4, 4), (8, 4), (4, 8))  # also timed with every LOAD mode
 
 
 def layout_lab(case, copy_gbs, reps=100) -> list[dict]:
@@ -340,7 +346,7 @@ def layout_lab(case, copy_gbs, reps=100) -> list[dict]:
         tag = f"{r} words/thread, {warps} warps"
         add(f"lab stores only, {tag}", _device_us(store, outs, reps), words_per_thread=r, num_warps=warps)
         add(f"lab loads+stores, {tag}", _device_us(expand, sets, reps), words_per_thread=r, num_warps=warps)
-        for load in (0, 1, 2, 3) if (r, warps) in LAB_LOADS else (1,):
+        for load in (0, 1, 2, 3, 4, 5, 6) if (r, warps) in LAB_LOADS else (1,):
             def dq(s, r=r, t=t, warps=warps, grid=grid, load=load):
                 p, q = s
                 out = torch.empty(shape, dtype=dtype, device="cuda")
