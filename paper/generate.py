@@ -967,6 +967,8 @@ class Generator:
                   ("Tensor.new_empty(shape)", "Tensor.new_empty(shape) (used)"),
                   ("plan.run(out) via CompiledKernel.run", "launch via CompiledKernel.run"),
                   ("plan.run(out) via the C launch function", "launch via the C launch function (used)"),
+                  ("driver cuLaunchKernel of an empty kernel (ctypes)",
+                   "the driver's cuLaunchKernel of an empty kernel, through ctypes"),
                   ("nf4.dequantize(p, q, out=buf)", "nf4.dequantize(w, qs, out=buf)"),
                   ("nf4.dequantize(p, q)", "nf4.dequantize(w, qs)"))
 
@@ -1013,7 +1015,8 @@ class Generator:
                           ("Tensor.new_empty(shape)", "NewEmpty"),
                           ("plan.run(out) via the C launch function", "Launch"),
                           ("plan.run(out) via CompiledKernel.run", "LaunchWrapper"),
-                          ("nf4.dequantize(p, q, out=buf)", "CallOut"), ("nf4.dequantize(p, q)", "Call")):
+                          ("nf4.dequantize(p, q, out=buf)", "CallOut"), ("nf4.dequantize(p, q)", "Call"),
+                          ("driver cuLaunchKernel of an empty kernel (ctypes)", "Driver")):
             self.macro(f"NFprobeHost{name}", _us_range(host.get(key), host2.get(key)))
         steps = ("Tensor.new_empty(shape)", "plan.run(out) via the C launch function",
                  "empty Triton kernel, JIT launch")
@@ -1099,6 +1102,7 @@ class Generator:
         self.macro("NFtuneRowSixteenSlowdownLarge", ratio(slowdown(shapes[2])))
         self.macro("NFtuneRowSixteenGraphSlowdownSmall", ratio(slowdown(shapes[0], "graph_us")))
         self.macro("NFtuneSmallShape", shape_tex(shapes[0][0]) + " " + dtype_short(shapes[0][1]))
+        self._pipe_lab(files.get("h200_lab_pipe.json"), files.get("h200_lab_l2hint.json"))
         shown = [n for n in files if any((n, *s) in nf4 for s in shapes)]
         if not shown:
             self.write("tuning_table.tex", missing_box("results/tuning/ (layouts measured while choosing the design)"))
@@ -1117,6 +1121,36 @@ class Generator:
             lines.append(row(cells))
         lines += [r"\bottomrule", r"\end{tabular}"]
         self.write("tuning_table.tex", "\n".join(lines) + "\n")
+
+    def _pipe_lab(self, pipe: dict | None, hint: dict | None) -> None:
+        """Macros from the last two labs at the mid weight: double buffer / TMA stores, and the L2 prefetch hint."""
+        mid = self.PROBE_CASES[1]
+        rows = [r for r in _rows((pipe or {}).get("lab")) if r.get("case") == mid and r.get("device_us")]
+        default = next((r["device_us"] for r in rows if r.get("what") == "nf4 with its defaults"), None)
+        variants = [r for r in _rows((pipe or {}).get("lab")) if r.get("what") != "nf4 with its defaults"]
+        defaults = {r.get("case"): r.get("device_us") for r in _rows((pipe or {}).get("lab"))
+                    if r.get("what") == "nf4 with its defaults"}
+        timed = [r for r in variants if r.get("device_us") and defaults.get(r.get("case"))]
+        self.macro("NFpipeCommit", tex(str(((pipe or {}).get("env") or {}).get("commit") or "")[:7]) if pipe else NM)
+        self.macro("NFpipeVariantCount", integer(len({r["what"] for r in timed})) if timed else NM)
+        self.macro("NFpipeCaseCount", integer(len({r["case"] for r in timed})) if timed else NM)
+        self.macro("NFpipeTimedCount", integer(len(timed)) if timed else NM)
+        self.macro("NFpipeFasterCount", integer(sum(r["device_us"] < defaults[r["case"]] for r in timed))
+                   if timed else NM)
+        self.macro("NFpipeDefaultUsMid", us(default) if default else NM)
+        for name, pick in (("Buffer", lambda r: r.get("prefetch_next") and not r.get("tma_store")),
+                           ("Tma", lambda r: r.get("tma_store"))):
+            best = min((r for r in rows if pick(r)), key=lambda r: r["device_us"], default=None)
+            self.macro(f"NFpipeBest{name}UsMid", us(best["device_us"]) if best else NM)
+            self.macro(f"NFpipeBest{name}Slowdown", ratio(best["device_us"] / default) if best and default else NM)
+        hint_rows = {r.get("what"): r.get("device_us") for r in _rows((hint or {}).get("lab"))
+                     if r.get("case") == mid and r.get("device_us")}
+        self.macro("NFhintCommit", tex(str(((hint or {}).get("env") or {}).get("commit") or "")[:7]) if hint else NM)
+        plain = hint_rows.get("lab nf4, 2 words/thread, 2 warps, load 4")
+        hinted = [hint_rows.get(f"lab nf4, 2 words/thread, 2 warps, load {k}") for k in (5, 6)]
+        hinted = [h for h in hinted if h]
+        self.macro("NFhintPlainUsMid", us(plain) if plain else NM)
+        self.macro("NFhintBestUsMid", us(min(hinted)) if hinted else NM)
 
     # --- published claims (quoted, not measured) ------------------------------------------------------
 
