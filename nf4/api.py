@@ -65,6 +65,8 @@ class _Plan:
         "grid_x",
         "head",
         "launch",
+        "native",
+        "native_launch",
         "offset",
         "out_ptr",
         "out_ref",
@@ -94,7 +96,10 @@ class _Plan:
     def run(self, out=None) -> torch.Tensor:
         if out is None:
             out = self.template.new_empty(self.shape)  # cheaper to call than torch.empty(shape, dtype=, device=)
-        self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), *self.head, out.data_ptr(), *self.args_post)
+        if self.native is not None:
+            self.native_launch(self.native, out.data_ptr(), _raw_stream(self.device_index))
+        else:
+            self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), *self.head, out.data_ptr(), *self.args_post)
         return out.t() if self.transpose else out
 
 
@@ -103,6 +108,9 @@ class _Plan:
 # listed only after tests/test_nf4_gpu.py passed with it on a GPU). Others use the wrapper.
 DIRECT_LAUNCH_VERSIONS = ("3.6",)
 DIRECT_LAUNCH = True
+# On those versions a plan launches through nf4's own C function (nf4/native.py: the arguments bound
+# once, one cuLaunchKernel per call) when its parameter layout matches the kernel's PTX.
+NATIVE_LAUNCH = True
 
 
 def _launch_head(compiled) -> tuple:
@@ -158,6 +166,13 @@ def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) ->
     plan.grid_x, plan.blocksize = grid_x, qs.blocksize
     plan.launch, head = _launch_head(compiled)
     plan.head = head + tuple(a.data_ptr() for a in args[:6])
+    plan.native = plan.native_launch = None
+    if NATIVE_LAUNCH and plan.launch is not compiled.run:  # only where the direct launch is used
+        from . import native
+
+        plan.native = native.bind(compiled, args, grid_x, plan.device_index)
+        if plan.native is not None:
+            plan.native_launch = native.module().launch
     plan.args_post = args[7:]
     out = args[6]
     # An `out` the caller passed was checked: remember it (weakly) so reusing it stays on the fast path.

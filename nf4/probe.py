@@ -448,14 +448,15 @@ def host_parts(case="1024x1024:bf16") -> dict:
     tmpl = torch.empty(0, dtype=dtype, device=dev)
     x = torch.empty(16, device=dev)
 
-    def plan_with(direct):
-        api.DIRECT_LAUNCH = direct
+    def plan_with(direct, own):
+        api.DIRECT_LAUNCH, api.NATIVE_LAUNCH = direct, own
         api._plans.pop(id(q), None)
         nf4.dequantize(p, q)
-        api.DIRECT_LAUNCH = True
+        api.DIRECT_LAUNCH = api.NATIVE_LAUNCH = True
         return api._plans[id(q)]
 
-    wrapper, direct = plan_with(False), plan_with(True)
+    # The last plan made stays in place for the nf4.dequantize rows: the default (own launch function).
+    wrapper, direct, own = plan_with(False, False), plan_with(True, False), plan_with(True, True)
     parts = {
         "empty Triton kernel, JIT launch": lambda _: _empty_kernel[(1,)](x, 16),
         "driver cuLaunchKernel of an empty kernel (ctypes)": _driver_launch(),
@@ -469,13 +470,18 @@ def host_parts(case="1024x1024:bf16") -> dict:
         "plan.run(out) via CompiledKernel.run": lambda _: wrapper.run(buf),
         "plan.run(out) via the C launch function": lambda _: direct.run(buf),
         "plan.run() via the C launch function": lambda _: direct.run(),
+        "plan.run(out) via nf4's own launch function": lambda _: own.run(buf),
+        "plan.run() via nf4's own launch function": lambda _: own.run(),
         "nf4.dequantize(p, q, out=buf)": lambda _: nf4.dequantize(p, q, out=buf),
         "nf4.dequantize(p, q)": lambda _: nf4.dequantize(p, q),
     }
     for fn in parts.values():  # warm every path once (compiles the empty kernel)
         fn(None)
     torch.cuda.synchronize()
-    result = {"case": case, "direct_launch_used": direct.launch is not wrapper.launch}
+    from . import native
+
+    result = {"case": case, "direct_launch_used": direct.launch is not wrapper.launch,
+              "own_launch_used": own.native is not None, "own_launch_build_error": native.build_error}
     result["us"] = {name: _host(fn) for name, fn in parts.items()}
     # Second pass in reverse order: the spread between the passes shows the noise.
     result["us_second_pass"] = {name: _host(parts[name]) for name in reversed(parts)}

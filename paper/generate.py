@@ -966,7 +966,8 @@ class Generator:
                   ("torch.empty(shape, dtype=, device=)", "torch.empty(shape, dtype=, device=)"),
                   ("Tensor.new_empty(shape)", "Tensor.new_empty(shape) (used)"),
                   ("plan.run(out) via CompiledKernel.run", "launch via CompiledKernel.run"),
-                  ("plan.run(out) via the C launch function", "launch via the C launch function (used)"),
+                  ("plan.run(out) via the C launch function", "launch via Triton's C launch function"),
+                  ("plan.run(out) via nf4's own launch function", "launch via nf4's own launch function (used)"),
                   ("driver cuLaunchKernel of an empty kernel (ctypes)",
                    "the driver's cuLaunchKernel of an empty kernel, through ctypes"),
                   ("nf4.dequantize(p, q, out=buf)", "nf4.dequantize(w, qs, out=buf)"),
@@ -1016,10 +1017,12 @@ class Generator:
                           ("plan.run(out) via the C launch function", "Launch"),
                           ("plan.run(out) via CompiledKernel.run", "LaunchWrapper"),
                           ("nf4.dequantize(p, q, out=buf)", "CallOut"), ("nf4.dequantize(p, q)", "Call"),
-                          ("driver cuLaunchKernel of an empty kernel (ctypes)", "Driver")):
+                          ("driver cuLaunchKernel of an empty kernel (ctypes)", "Driver"),
+                          ("plan.run(out) via nf4's own launch function", "OwnLaunch")):
             self.macro(f"NFprobeHost{name}", _us_range(host.get(key), host2.get(key)))
-        steps = ("Tensor.new_empty(shape)", "plan.run(out) via the C launch function",
-                 "empty Triton kernel, JIT launch")
+        used = ("plan.run(out) via nf4's own launch function" if host.get("plan.run(out) via nf4's own launch function")
+                and (data or {}).get("host", {}).get("own_launch_used") else "plan.run(out) via the C launch function")
+        steps = ("Tensor.new_empty(shape)", used, "empty Triton kernel, JIT launch")
         (alloc, launch, jit), (alloc2, launch2, jit2) = ([number(h.get(k)) for k in steps] for h in (host, host2))
         self.macro("NFprobeHostAllocLaunch", _us_range(alloc + launch, alloc2 + launch2)
                    if alloc and launch and alloc2 and launch2 else NM)

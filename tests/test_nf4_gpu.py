@@ -31,6 +31,7 @@ if torch.cuda.is_available():
     import nf4
     import nf4.api
     import nf4.kernel
+    import nf4.native as native_mod
     from reference.format import BLOCKSIZES
     from verify.exact import assert_bitexact, compare
 
@@ -355,13 +356,16 @@ def test_poisoned_out(nf4h, shape, blocksize, out_dtype, lead):
     nf4h.assert_poison_intact(buf, lead, lead + out.numel())
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "triton-launch"])
 @pytest.mark.parametrize("programs_per_sm", [0, 1, 8], ids=lambda k: f"persist{k}")
 @pytest.mark.parametrize(("shape", "dtype"), [((333, 129), torch.bfloat16), ((1, 4103), torch.float16),
                                               ((7,), torch.float32), ((4096, 1029), torch.bfloat16)], ids=str)
-def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, monkeypatch, programs_per_sm, shape, dtype):
+def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, monkeypatch, programs_per_sm, shape, dtype, native):
     """The cached launch (second call on, with and without out=) stays bit-exact and writes all of
-    out and nothing past it, with one tile per program and with the fixed (persistent) grid."""
+    out and nothing past it, with one tile per program and with the fixed (persistent) grid, through
+    nf4's own launch function (nf4/native.py) and through Triton's."""
     monkeypatch.setattr(nf4.api, "PROGRAMS_PER_SM", programs_per_sm)
+    monkeypatch.setattr(nf4.api, "NATIVE_LAUNCH", native)
     packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA,
                                   seed=nf4h.case_seed("fast-path", shape, dtype, programs_per_sm))
     expected = _bnb(packed, state)
@@ -377,6 +381,39 @@ def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, monkeypatch, progr
     plan = nf4.api._plans[id(state)]
     direct = ".".join(triton.__version__.split(".")[:2]) in nf4.api.DIRECT_LAUNCH_VERSIONS
     assert (type(plan.launch).__name__ == "builtin_function_or_method") == direct, type(plan.launch)
+    assert (plan.native is not None) == (direct and native), native_mod.build_error
+
+
+def test_fast_path_from_a_new_thread(nf4h):
+    """A plan made on the main thread, called from a thread that has not touched CUDA yet (no current
+    context for the driver's launch), with out= first so that no torch allocation runs before it."""
+    import threading
+
+    shape, dtype = (257, 1029), torch.bfloat16
+    packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("thread", shape))
+    expected = _bnb(packed, state)
+    buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=0)
+    nf4.dequantize(packed, state, out=out)
+    nf4.dequantize(packed, state, out=out)  # the plan now holds this out
+    torch.cuda.synchronize()
+    nf4h.poison(buf)
+    results, errors = [], []
+
+    def work():
+        try:
+            results.append(nf4.dequantize(packed, state, out=out))
+            results.append(nf4.dequantize(packed, state))
+            torch.cuda.synchronize()
+        except Exception as exc:  # reported below, on the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert results[0] is out
+    assert_bitexact(out, expected, name="out= call from a new thread")
+    assert_bitexact(results[1], expected, name="allocating call from a new thread")
 
 
 def test_fast_path_params4bit_and_data_swap(nf4h):

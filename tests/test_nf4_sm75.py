@@ -178,6 +178,12 @@ def build(name, cap, out_dtype, ftz, fusion=None):
     result.update(ptx=compiled.asm.get("ptx", ""), cubin_bytes=len(cubin), cubin_is_elf=cubin[:4] == b"\x7fELF",
                   shared=int(compiled.metadata.shared), num_warps=int(compiled.metadata.num_warps))
     result.update(resource_usage(cubin))
+    import nf4.native
+    bound = nf4.native.layout(dict(src.signature), args)
+    result.update(native_ptx_sizes=nf4.native.ptx_param_sizes(result["ptx"], "nf4_dequantize_kernel"),
+                  native_sizes=bound and bound[2], native_out_slot=bound and bound[1],
+                  native_slots=bound and bound[0].hex(),
+                  native_ints=[v for v in args if isinstance(v, int) and not isinstance(v, bool)][:3])
     return result
 
 
@@ -261,3 +267,20 @@ def test_contraction_control(builds, name):
     """With enable_fp_fusion=True (and no flush between multiply and add) FMAs appear: the check sees them."""
     build = _built(builds, name)
     assert FMA.search(build["ptx"]), f"{name}: no FMA even with fusion on; test_no_contraction proves nothing"
+
+
+@pytest.mark.parametrize("name", UNFUSED)
+def test_native_launch_layout_matches_the_ptx(builds, name):
+    """nf4.native binds one slot per PTX parameter, in order and of the same size, with the output
+    pointer and the three sizes (n, packed bytes, words) where the kernel reads them."""
+    build = _built(builds, name)
+    assert build["native_sizes"] is not None, "nf4.native.layout refused the production launch"
+    assert build["native_sizes"] == build["native_ptx_sizes"], (build["native_sizes"], build["native_ptx_sizes"])
+    slots = bytes.fromhex(build["native_slots"])
+    words = [int.from_bytes(slots[8 * i:8 * i + 8], "little") for i in range(len(slots) // 8)]
+    assert words[build["native_out_slot"]] == 1 << 24  # the stand-in output's data_ptr
+    n, n_bytes, n_words = build["native_ints"]
+    assert (n, n_bytes, n_words) == (build["numel"], build["numel"] // 2, build["numel"] // 8)
+    assert words[build["native_out_slot"] + 1:build["native_out_slot"] + 4] == [n, n_bytes, n_words]
+    assert words[-2:] == [0, 0]  # the scratch pointers
+

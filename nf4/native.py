@@ -1,0 +1,220 @@
+"""nf4's own launch function for the repeat call: one `cuLaunchKernel` with the arguments bound once.
+
+Triton's C launch function takes every kernel argument again on each call (constexprs included, 23
+for this kernel), converts them, and launches through `cuLaunchKernelEx`. Between two calls of a
+plan only the output pointer and the stream can change, so `bind` copies the other arguments once
+into a C struct and `launch(bound, out_ptr, stream)` stores the output pointer into its slot and
+calls `cuLaunchKernel`.
+
+The C source is compiled on first use with Triton's own build helper, with the compiler, CUDA
+header and libcuda that Triton's launchers use (no new dependency). `layout` reproduces the
+parameter list of Triton's launcher for the releases in `nf4.api.DIRECT_LAUNCH_VERSIONS`: the
+non-constexpr arguments in order, then two scratch pointers. It is checked against the kernel's
+PTX entry before a plan uses it; on any mismatch, or where the module cannot be built, the plan
+keeps Triton's C launch function.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+SOURCE = r"""
+#include "cuda.h"
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+#define MAX_PARAMS 64
+
+typedef struct {
+  CUfunction function;
+  int device;
+  unsigned int grid_x, block_x, shared;
+  int out_slot, n_params;
+  unsigned long long values[MAX_PARAMS];  /* one 8-byte slot per parameter (4-byte ones in the low half) */
+  void *params[MAX_PARAMS];
+} Bound;
+
+static void release(PyObject *capsule) {
+  PyMem_Free(PyCapsule_GetPointer(capsule, "nf4.bound"));
+}
+
+static int fail(CUresult rc) {
+  const char *text = NULL;
+  cuGetErrorString(rc, &text);
+  PyErr_Format(PyExc_RuntimeError, "nf4 launch: CUDA error %d (%s)", (int)rc, text ? text : "unknown");
+  return -1;
+}
+
+/* bind(function, device, grid_x, block_x, shared, out_slot, values) -> capsule;
+   values: the parameters as little-endian 8-byte slots. */
+static PyObject *bind(PyObject *self, PyObject *args) {
+  unsigned long long function;
+  int device, out_slot;
+  unsigned int grid_x, block_x, shared;
+  const char *buf;
+  Py_ssize_t len;
+  if (!PyArg_ParseTuple(args, "KiIIIiy#", &function, &device, &grid_x, &block_x, &shared, &out_slot, &buf, &len))
+    return NULL;
+  if (len % 8 != 0 || len / 8 > MAX_PARAMS || out_slot < 0 || out_slot >= len / 8) {
+    PyErr_SetString(PyExc_ValueError, "bind: values must be 1..64 8-byte slots and out_slot one of them");
+    return NULL;
+  }
+  Bound *b = PyMem_Malloc(sizeof(Bound));
+  if (b == NULL)
+    return PyErr_NoMemory();
+  memset(b, 0, sizeof(Bound));
+  b->function = (CUfunction)(uintptr_t)function;
+  b->device = device;
+  b->grid_x = grid_x;
+  b->block_x = block_x;
+  b->shared = shared;
+  b->out_slot = out_slot;
+  b->n_params = (int)(len / 8);
+  memcpy(b->values, buf, (size_t)len);
+  for (int i = 0; i < b->n_params; i++)
+    b->params[i] = &b->values[i];
+  PyObject *capsule = PyCapsule_New(b, "nf4.bound", release);
+  if (capsule == NULL)
+    PyMem_Free(b);
+  return capsule;
+}
+
+/* launch(bound, out_ptr, stream) -> None */
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "launch(bound, out_ptr, stream) takes 3 arguments");
+    return NULL;
+  }
+  Bound *b = PyCapsule_GetPointer(args[0], "nf4.bound");
+  if (b == NULL)
+    return NULL;
+  unsigned long long out = PyLong_AsUnsignedLongLong(args[1]);
+  if (out == (unsigned long long)-1 && PyErr_Occurred())
+    return NULL;
+  unsigned long long stream = PyLong_AsUnsignedLongLong(args[2]);
+  if (stream == (unsigned long long)-1 && PyErr_Occurred())
+    return NULL;
+  CUcontext ctx = NULL;
+  CUresult rc = cuCtxGetCurrent(&ctx);
+  if (rc == CUDA_SUCCESS && ctx == NULL) {
+    /* a thread that has not used CUDA yet: make the device's primary context current, as torch would */
+    CUdevice dev;
+    rc = cuDeviceGet(&dev, b->device);
+    if (rc == CUDA_SUCCESS)
+      rc = cuDevicePrimaryCtxRetain(&ctx, dev);
+    if (rc == CUDA_SUCCESS)
+      rc = cuCtxSetCurrent(ctx);
+  }
+  if (rc != CUDA_SUCCESS && fail(rc))
+    return NULL;
+  b->values[b->out_slot] = out;
+  rc = cuLaunchKernel(b->function, b->grid_x, 1, 1, b->block_x, 1, 1, b->shared, (CUstream)(uintptr_t)stream,
+                      b->params, NULL);
+  if (rc != CUDA_SUCCESS && fail(rc))
+    return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+  {"bind", bind, METH_VARARGS, "bind the launch of one plan"},
+  {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "launch a bound plan into out_ptr on stream"},
+  {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "nf4_native_launch", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_nf4_native_launch(void) { return PyModule_Create(&module); }
+"""
+
+_SIZES = {"i32": 4, "u32": 4, "i64": 8, "u64": 8}
+_module: list = []  # [module] once built, [None] when it cannot be built here
+build_error: str | None = None  # why the module could not be built (for the probe and the tests)
+
+
+def layout(signature: dict, args: tuple, out_name: str = "out_ptr") -> tuple[bytes, int, list[int]] | None:
+    """(8-byte slots of the launch parameters, index of the output's slot, each parameter's size in bytes).
+
+    signature: the compiled kernel's `src.signature` (name -> '*fp16', 'i32', 'constexpr', ...) in
+    parameter order; args: the values passed to the kernel, in the same order (tensors or ints for
+    pointers). Two null scratch pointers close the list, as Triton's launcher passes them. None
+    when a parameter has a type this launcher does not bind.
+    """
+    if len(signature) != len(args):
+        return None
+    slots, sizes, out_slot = [], [], -1
+    for (name, ty), value in zip(signature.items(), args, strict=True):
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            ptr = value if isinstance(value, int) else value.data_ptr()
+            slots.append(struct.pack("<Q", ptr))
+            sizes.append(8)
+        elif ty in _SIZES and isinstance(value, int) and not isinstance(value, bool):
+            fmt = {"i32": "<i", "u32": "<I", "i64": "<q", "u64": "<Q"}[ty]
+            slots.append(struct.pack(fmt, value).ljust(8, b"\0"))
+            sizes.append(_SIZES[ty])
+        else:
+            return None
+        if name == out_name:
+            out_slot = len(slots) - 1
+    if out_slot < 0:
+        return None
+    slots += [struct.pack("<Q", 0)] * 2  # global and profile scratch: none (checked by the caller)
+    sizes += [8, 8]
+    return b"".join(slots), out_slot, sizes
+
+
+def ptx_param_sizes(ptx: str, name: str) -> list[int] | None:
+    """Byte sizes of the parameters of `.entry name(...)` in PTX text, or None when it is not found."""
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
+    if m is None:
+        return None
+    sizes = []
+    for decl in m.group(1).split(","):
+        decl = decl.strip()
+        if not decl:
+            continue
+        t = re.match(r"\.param\s+\.([usbf])(\d+)\b", decl)
+        if t is None:
+            return None
+        sizes.append(int(t.group(2)) // 8)
+    return sizes
+
+
+def module():
+    """The compiled launch module, or None (then `build_error` says why)."""
+    global build_error
+    if not _module:
+        try:
+            from triton.backends.nvidia import driver as nv
+            from triton.runtime.build import compile_module_from_src
+
+            _module.append(compile_module_from_src(src=SOURCE, name="nf4_native_launch", library_dirs=nv.library_dirs(),
+                                                   include_dirs=nv.include_dirs, libraries=nv.libraries))
+        except Exception as exc:  # no C compiler, no CUDA header or driver: Triton's launcher is used instead
+            build_error = f"{type(exc).__name__}: {exc}"[:500]
+            _module.append(None)
+    return _module[0]
+
+
+def bind(compiled, args: tuple, grid_x: int, device_index: int, kernel_name: str = "nf4_dequantize_kernel"):
+    """A bound launch for `compiled` with `args` (its output pointer rebound per call), or None when the
+    parameter layout cannot be confirmed against the kernel's PTX or the kernel needs launch attributes."""
+    md = compiled.metadata
+    if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl",
+                                                                                                  False):
+        return None
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        return None
+    src = getattr(compiled, "src", None)
+    found = layout(dict(src.signature), args) if src is not None and hasattr(src, "signature") else None
+    if found is None:
+        return None
+    values, out_slot, sizes = found
+    if ptx_param_sizes(compiled.asm.get("ptx", ""), kernel_name) != sizes:
+        return None
+    mod = module()
+    if mod is None:
+        return None
+    return mod.bind(compiled.function, device_index, grid_x, 32 * md.num_warps, md.shared, out_slot, values)

@@ -1,0 +1,80 @@
+"""nf4.native's parameter layout and PTX parsing, on any machine (the launch itself is tested on the GPU).
+
+The layout must give one slot per parameter of the kernel's PTX entry, in order and of the same size:
+the non-constexpr arguments, then Triton's two scratch pointers. tests/test_nf4_sm75.py checks it
+against the PTX of the production kernel compiled offline; these tests check the pieces on their own.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from nf4 import native
+
+PTX = """
+.visible .entry my_kernel(
+\t.param .u64 .ptr .global .align 1 my_kernel_param_0,
+\t.param .u32 my_kernel_param_1,
+\t.param .u64 my_kernel_param_2,
+\t.param .u64 .ptr .global .align 1 my_kernel_param_3,
+\t.param .u64 .ptr .global .align 1 my_kernel_param_4
+)
+.reqntid 64
+{
+\tret;
+}
+"""
+
+
+class Ptr:
+    """Anything with data_ptr(), as a tensor."""
+
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+def _slots(values: bytes) -> list[int]:
+    return [struct.unpack_from("<Q", values, 8 * i)[0] for i in range(len(values) // 8)]
+
+
+def test_ptx_param_sizes():
+    assert native.ptx_param_sizes(PTX, "my_kernel") == [8, 4, 8, 8, 8]
+    assert native.ptx_param_sizes(PTX, "other_kernel") is None
+    assert native.ptx_param_sizes(PTX.replace(".u32", ".f16x2"), "my_kernel") is None
+    assert native.ptx_param_sizes(".entry k(\n)\n{ ret; }", "k") == []
+
+
+def test_layout_order_sizes_and_values():
+    rng = random.Random(20261122)
+    a, out = rng.randrange(1, 2**47) * 16, rng.randrange(1, 2**47) * 16
+    n32, n64 = rng.randrange(-(2**31), 2**31), rng.randrange(2**31, 2**62)
+    signature = {"a": "*u8", "n": "i32", "BLOCK": "constexpr", "m": "i64", "out_ptr": "*bf16", "one": "constexpr"}
+    values, out_slot, sizes = native.layout(signature, (Ptr(a), n32, 64, n64, out, 1))
+    assert sizes == [8, 4, 8, 8, 8, 8]  # a, n, m, out_ptr, then the two scratch pointers
+    assert out_slot == 3
+    slots = _slots(values)
+    assert slots[0] == a and slots[2] == n64 and slots[3] == out and slots[4:] == [0, 0]
+    assert struct.unpack_from("<i", values, 8)[0] == n32 and values[12:16] == b"\0" * 4
+
+
+@pytest.mark.parametrize(("signature", "args"), [
+    ({"x": "*fp32", "out_ptr": "*fp16"}, (Ptr(16),)),  # lengths differ
+    ({"x": "*fp32", "s": "fp32", "out_ptr": "*fp16"}, (Ptr(16), 1.5, Ptr(32))),  # a float scalar
+    ({"x": "*fp32", "flag": "i1", "out_ptr": "*fp16"}, (Ptr(16), True, Ptr(32))),  # a 1-bit scalar
+    ({"x": "*fp32", "n": "i32", "out_ptr": "*fp16"}, (Ptr(16), True, Ptr(32))),  # a bool passed as an int
+    ({"x": "*fp32", "y": "*fp16"}, (Ptr(16), Ptr(32))),  # no out_ptr
+], ids=["length", "float", "i1", "bool", "no-out"])
+def test_layout_refuses_what_it_does_not_bind(signature, args):
+    assert native.layout(signature, args) is None
+
+
+def test_layout_matches_ptx_of_the_same_parameters():
+    signature = {"out_ptr": "*u8", "n": "i32", "K": "constexpr", "q": "i64"}
+    _, _, sizes = native.layout(signature, (Ptr(16), 3, 8, 2**40))
+    assert sizes == native.ptx_param_sizes(PTX, "my_kernel")
