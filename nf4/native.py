@@ -23,6 +23,7 @@ SOURCE = r"""
 #include "cuda.h"
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 #define MAX_PARAMS 64
