@@ -404,6 +404,19 @@ class Generator:
                 p = by.get((*case, peer), {}) if case else {}
                 self.macro(f"NFus{stem}{name}", us(p.get("device_us")))
                 self.macro(f"NFhostUs{stem}{name}", us(p.get("host_us")))
+        # Host time per call against an empty JIT launch measured in alternating batches (same row).
+        for prov, stem in (("nf4", "Call"), ("nf4_out_buffer", "Out")):
+            paired = [by.get((*c, prov), {}) for c in timed]
+            paired = [r for r in paired if r.get("host_us") and r.get("jit_host_us")]
+            self.macro(f"NFhost{stem}HalfJitCount", integer(sum(r["host_us"] <= r["jit_host_us"] / 2 for r in paired))
+                       if paired else NM)
+            self.macro(f"NFhost{stem}PairedCount", integer(len(paired)) if paired else NM)
+            fractions = [r["host_us"] / r["jit_host_us"] for r in paired]
+            self.macro(f"NFhost{stem}JitFracMin", pct(100 * min(fractions)) if fractions else NM)
+            self.macro(f"NFhost{stem}JitFracMax", pct(100 * max(fractions)) if fractions else NM)
+        jits = [nf4(c).get("jit_host_us") for c in timed if nf4(c).get("jit_host_us")]
+        self.macro("NFhostPairedJitMin", us(min(jits)) if jits else NM)
+        self.macro("NFhostPairedJitMax", us(max(jits)) if jits else NM)
         pcts = [nf4(c)["pct_copy"] for c in timed if nf4(c).get("pct_copy") is not None]
         self.macro("NFpctCopyMin", pct(min(pcts)) if pcts else NM)
         self.macro("NFpctCopyMax", pct(max(pcts)) if pcts else NM)

@@ -155,6 +155,34 @@ def host_time_us(fn, inputs: list, *, calls: int = 200, warmup: int = 20, batche
             "batches": batches}
 
 
+def host_time_pair_us(fn, inputs: list, ref, ref_inputs: list, *, calls: int = 100, warmup: int = 20,
+                      batches: int = 15) -> dict:
+    """host_time_us of `fn` and of a reference callable measured in alternating batches.
+
+    The host's speed drifts during a run (the same step measured twice can differ by half), so a
+    comparison of two host times is only fair when their batches are interleaved; the medians
+    then see the same drift.
+    """
+    import torch
+
+    for i in range(warmup):
+        fn(inputs[i % len(inputs)])
+        ref(ref_inputs[i % len(ref_inputs)])
+    torch.cuda.synchronize()
+    times: dict[str, list] = {"fn": [], "ref": []}
+    for b in range(batches):
+        for which in (("fn", "ref") if b % 2 == 0 else ("ref", "fn")):
+            f, xs = (fn, inputs) if which == "fn" else (ref, ref_inputs)
+            t0 = time.perf_counter()
+            for i in range(calls):
+                f(xs[i % len(xs)])
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            times[which].append((t1 - t0) * 1e6 / calls)
+    return {"median_us": statistics.median(times["fn"]), "ref_median_us": statistics.median(times["ref"]),
+            "calls": calls, "batches": batches}
+
+
 def wall_time_us(fn, inputs: list, *, iters: int = 1000, warmup: int = 20, sync=None) -> dict:
     """The challenge's clock: total wall time of `iters` calls, each followed by a synchronize.
 
