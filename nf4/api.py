@@ -93,13 +93,16 @@ class _Plan:
         with _NO_TORCH_FUNCTION():
             return packed.data_ptr() == self.packed_ptr
 
-    def run(self, out=None) -> torch.Tensor:
+    def run(self, out=None, out_ptr=None) -> torch.Tensor:
+        """Launch into `out` (allocated when None); out_ptr: its data_ptr() when the caller has it already."""
         if out is None:
             out = self.template.new_empty(self.shape)  # cheaper to call than torch.empty(shape, dtype=, device=)
+        if out_ptr is None:
+            out_ptr = out.data_ptr()
         if self.native is not None:
-            self.native_launch(self.native, out.data_ptr(), _raw_stream(self.device_index))
+            self.native_launch(self.native, out_ptr, _raw_stream(self.device_index))
         else:
-            self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), *self.head, out.data_ptr(), *self.args_post)
+            self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), *self.head, out_ptr, *self.args_post)
         return out.t() if self.transpose else out
 
 
@@ -398,8 +401,10 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
         if plan is not None and plan.matches(weight, quant_state):
             if out is None:
                 return plan.run()
-            if plan.out_ref() is out and out.data_ptr() == plan.out_ptr and out.shape == plan.shape:
-                return plan.run(out)
+            if plan.out_ref() is out and out.shape == plan.shape:
+                out_ptr = out.data_ptr()
+                if out_ptr == plan.out_ptr:
+                    return plan.run(out, out_ptr)
     packed, qs = _unpack_module(weight, quant_state)
     shape, n, _, blocksize, out_dtype, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, dtype)
     device = packed.device
