@@ -384,6 +384,36 @@ def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, monkeypatch, progr
     assert (plan.native is not None) == (direct and native), native_mod.build_error
 
 
+def test_explicit_ftz_true_takes_the_fast_path_and_keeps_one_plan(nf4h, monkeypatch):
+    """ftz=True is the CUDA default, so a caller that passes it on every call (as the experiments do)
+    gets the cached launch, and the plan is made once, not remade on every call."""
+    shape, dtype = (333, 129), torch.float16
+    packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("explicit-ftz", shape))
+    expected = _bnb(packed, state)
+    buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=3)
+    nf4.dequantize(packed, state, out=out, ftz=True)
+    plan = nf4.api._plans[id(state)]
+    runs = []
+    real_run = nf4.api._Plan.run
+
+    def counting_run(self, *args, **kwargs):
+        runs.append(self)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(nf4.api._Plan, "run", counting_run)
+    for i in range(3):
+        nf4h.poison(buf)
+        got = nf4.dequantize(packed, state, out=out, ftz=True)
+        assert got is out
+        assert_bitexact(out, expected, name=f"explicit ftz=True, call {i}")
+        nf4h.assert_poison_intact(buf, 3, 3 + out.numel())
+        assert nf4.api._plans[id(state)] is plan
+    assert runs == [plan] * 3
+    got = nf4.dequantize(packed, state, ftz=False)  # not the plan's ftz: the full path, the plan untouched
+    assert runs == [plan] * 3 and nf4.api._plans[id(state)] is plan
+    assert_bitexact(got, expected, name="ftz=False (no subnormal products in this weight)")
+
+
 def test_fast_path_from_a_new_thread(nf4h):
     """A plan made on the main thread, called from a thread that has not touched CUDA yet (no current
     context for the driver's launch), with out= first so that no torch allocation runs before it."""
