@@ -2,7 +2,8 @@
 
 The call path is kept short: inputs are checked, the output is allocated, and a compiled kernel
 cached for this configuration is launched directly (Triton's JIT dispatch costs more host time
-than the whole kernel on small weights). No device-to-host synchronisation happens per call: the
+than the whole kernel on small weights); a repeat call with the same weight skips the checks too
+(`_Plan`). No device-to-host synchronisation happens per call: the
 offset is read by the kernel from device memory.
 """
 
@@ -52,8 +53,10 @@ class _Plan:
 
     Holds the exact objects it validated; a later call reuses it only if the caller passes the
     same packed tensor and the quant_state still holds the same tensors, shape, dtype and
-    blocksize. Then a call costs one allocation and one launch through Triton's C launch function
-    (raw pointers, the raw CUDA stream), skipping the Python-level checks and Triton's JIT dispatch.
+    blocksize. Then a call costs one allocation and one launch, skipping the Python-level checks
+    and Triton's JIT dispatch: through nf4's own launch function (nf4/native.py: the arguments bound
+    once, one cuLaunchKernel) where it applies, else through Triton's C launch function with raw
+    pointers and the raw CUDA stream.
     """
 
     __slots__ = (
