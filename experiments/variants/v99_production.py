@@ -12,7 +12,8 @@ from experiments.registry import register
 from nf4.kernel import nf4_dequantize_kernel
 
 
-@register("v99_production", parent="v51_cached_launch", change="nf4.dequantize: checks once, then the plan's own launch",
+@register("v99_production", parent="v51_cached_launch",
+          change="nf4.dequantize: checks once, then the plan's own launch",
           kernel=nf4_dequantize_kernel, host_timing=True)
 def run(packed, quant_state, out, *, ftz):
     got = nf4.dequantize(packed, quant_state, out=out, ftz=ftz)
