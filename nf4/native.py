@@ -130,7 +130,6 @@ PyMODINIT_FUNC PyInit_nf4_native_launch(void) { return PyModule_Create(&module);
 
 _SIZES = {"i32": 4, "u32": 4, "i64": 8, "u64": 8}
 _module: list = []  # [module] once built, [None] when it cannot be built here
-_ptx_sizes: dict[int, list[int] | None] = {}  # id(compiled kernel) -> its PTX parameter sizes (kernels live on)
 build_error: str | None = None  # why the module could not be built (for the probe and the tests)
 
 
@@ -214,10 +213,14 @@ def bind(compiled, args: tuple, grid_x: int, device_index: int, kernel_name: str
     if found is None:
         return None
     values, out_slot, sizes = found
-    key = id(compiled)
-    if key not in _ptx_sizes:
-        _ptx_sizes[key] = ptx_param_sizes(compiled.asm.get("ptx", ""), kernel_name)
-    if _ptx_sizes[key] != sizes:
+    in_ptx = getattr(compiled, "_nf4_ptx_param_sizes", None)  # parsed once per compiled kernel
+    if in_ptx is None:
+        in_ptx = ptx_param_sizes(compiled.asm.get("ptx", ""), kernel_name) or []
+        try:
+            compiled._nf4_ptx_param_sizes = in_ptx
+        except AttributeError:  # a kernel object that takes no attributes: parse again next time
+            pass
+    if in_ptx != sizes:
         return None
     mod = module()
     if mod is None:

@@ -78,3 +78,81 @@ def test_layout_matches_ptx_of_the_same_parameters():
     signature = {"out_ptr": "*u8", "n": "i32", "K": "constexpr", "q": "i64"}
     _, _, sizes = native.layout(signature, (Ptr(16), 3, 8, 2**40))
     assert sizes == native.ptx_param_sizes(PTX, "my_kernel")
+
+
+class _Meta:
+    num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
+    global_scratch_size = profile_scratch_size = 0
+    num_warps, shared = 2, 0
+
+
+class _Src:
+    def __init__(self):
+        self.signature = {"out_ptr": "*u8", "n": "i32", "K": "constexpr", "q": "i64"}
+
+
+class _Compiled:
+    """What nf4.native.bind reads of a Triton CompiledKernel."""
+
+    def __init__(self, ptx=None, **meta):
+        if ptx is None:
+            ptx = PTX.replace("my_kernel", "nf4_dequantize_kernel")
+        self.metadata = _Meta()
+        for k, v in meta.items():
+            setattr(self.metadata, k, v)
+        self.src, self.asm, self.function = _Src(), {"ptx": ptx}, 0xABC
+
+
+class _FakeModule:
+    def __init__(self):
+        self.calls = []
+
+    def bind(self, *args):
+        self.calls.append(args)
+        return ("bound", args)
+
+
+@pytest.fixture
+def fake_module(monkeypatch):
+    mod = _FakeModule()
+    monkeypatch.setattr(native, "_module", [mod])
+    return mod
+
+
+def test_bind_passes_the_checked_layout(fake_module):
+    args = (Ptr(1 << 20), 12345, 8, 2**40)
+    bound = native.bind(_Compiled(), args, grid_x=77, device_index=3)
+    assert bound is not None and len(fake_module.calls) == 1
+    function, device, grid_x, block_x, shared, out_slot, values = fake_module.calls[0]
+    assert (function, device, grid_x, block_x, shared, out_slot) == (0xABC, 3, 77, 64, 0, 0)
+    assert _slots(values) == [1 << 20, 12345, 2**40, 0, 0]
+
+
+@pytest.mark.parametrize("meta", [{"num_ctas": 2}, {"launch_cooperative_grid": True}, {"launch_pdl": True},
+                                  {"global_scratch_size": 128}, {"profile_scratch_size": 64}], ids=str)
+def test_bind_refuses_launches_that_need_more_than_cuLaunchKernel(fake_module, meta):
+    assert native.bind(_Compiled(**meta), (Ptr(16), 1, 8, 2), grid_x=1, device_index=0) is None
+    assert fake_module.calls == []
+
+
+def test_bind_refuses_a_layout_the_ptx_does_not_confirm(fake_module):
+    other = PTX.replace("my_kernel", "nf4_dequantize_kernel").replace(".param .u32", ".param .u64")
+    assert native.bind(_Compiled(ptx=other), (Ptr(16), 1, 8, 2), grid_x=1, device_index=0) is None
+    assert native.bind(_Compiled(ptx=PTX), (Ptr(16), 1, 8, 2), grid_x=1, device_index=0) is None  # no such entry
+    assert fake_module.calls == []
+
+
+def test_bind_falls_back_when_the_module_cannot_be_built(monkeypatch):
+    monkeypatch.setattr(native, "_module", [None])
+    assert native.bind(_Compiled(), (Ptr(16), 1, 8, 2), grid_x=1, device_index=0) is None
+
+
+def test_bind_with_a_kernel_object_that_takes_no_attributes(fake_module):
+    class Slotted:
+        __slots__ = ("asm", "function", "metadata", "src")
+
+    plain = _Compiled()
+    compiled = Slotted()
+    for name in Slotted.__slots__:
+        setattr(compiled, name, getattr(plain, name))
+    assert native.bind(compiled, (Ptr(16), 1, 8, 2), grid_x=1, device_index=0) is not None
