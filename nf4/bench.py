@@ -131,16 +131,17 @@ def bench_case(shape, dtype, provs, copy_gbs, *, reps=100, host=True):
 
 
 def _empty_jit_launch():
+    """A callable(_) that launches the empty Triton kernel through the JIT."""
     x = torch.empty(16, device="cuda")
     return lambda _: _empty_kernel[(1,)](x, 16)
 
 
 def empty_launch_us():
     """Host time of launching an empty Triton kernel through the JIT, and its device time."""
-    x = torch.empty(16, device="cuda")
-    _empty_kernel[(1,)](x, 16)
-    host = timing.host_time_us(lambda _: _empty_kernel[(1,)](x, 16), [None], calls=500)
-    dev = timing.device_time_us(lambda _: _empty_kernel[(1,)](x, 16), [None], reps=200)
+    launch = _empty_jit_launch()
+    launch(None)
+    host = timing.host_time_us(launch, [None], calls=500)
+    dev = timing.device_time_us(launch, [None], reps=200)
     return {"host_us": host["median_us"], "device_us": dev["median_us"]}
 
 

@@ -128,7 +128,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "nf4_native_launch", 
 PyMODINIT_FUNC PyInit_nf4_native_launch(void) { return PyModule_Create(&module); }
 """
 
-_SIZES = {"i32": 4, "u32": 4, "i64": 8, "u64": 8}
+_SCALARS = {"i32": "<i", "u32": "<I", "i64": "<q", "u64": "<Q"}  # Triton type -> struct format
 _module: list = []  # [module] once built, [None] when it cannot be built here
 build_error: str | None = None  # why the module could not be built (for the probe and the tests)
 
@@ -151,10 +151,9 @@ def layout(signature: dict, args: tuple, out_name: str = "out_ptr") -> tuple[byt
             ptr = value if isinstance(value, int) else value.data_ptr()
             slots.append(struct.pack("<Q", ptr))
             sizes.append(8)
-        elif ty in _SIZES and isinstance(value, int) and not isinstance(value, bool):
-            fmt = {"i32": "<i", "u32": "<I", "i64": "<q", "u64": "<Q"}[ty]
-            slots.append(struct.pack(fmt, value).ljust(8, b"\0"))
-            sizes.append(_SIZES[ty])
+        elif ty in _SCALARS and isinstance(value, int) and not isinstance(value, bool):
+            slots.append(struct.pack(_SCALARS[ty], value).ljust(8, b"\0"))
+            sizes.append(struct.calcsize(_SCALARS[ty]))
         else:
             return None
         if name == out_name:

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from verify import peers, timing
 
-from .bench import _empty_kernel, bitexact_count, make_weights, parse_case
+from .bench import _empty_jit_launch, bitexact_count, make_weights, parse_case
 from .kernel import _absmax_of_block, _mul, _nf4_level, _store_out
 
 
@@ -182,10 +182,7 @@ def prefetch_lab(case, copy_gbs, reps=100) -> list[dict]:
             return out
 
         name = f"pf nf4, {r} words/thread, {warps} warps, prefetch {pf}, {per_sm} prefetchers/SM"
-        bad = bitexact_count(dq(sets[0]), expected) if n % 8 == 0 else -1
-        if bad:
-            rows.append({"case": case, "what": name, "mismatches": bad})
-            print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
+        if _inexact(rows, case, name, dq, sets, expected):
             continue
         _add_row(rows, case, name, _device_us(dq, sets, reps), nbytes, copy_gbs, 64, words_per_thread=r,
                  num_warps=warps, prefetch=pf, prefetchers_per_sm=per_sm)
@@ -296,14 +293,11 @@ def pipe_lab(case, copy_gbs, reps=100) -> list[dict]:
             return out
 
         try:
-            bad = bitexact_count(dq(sets[0]), expected) if n % 8 == 0 else -1
+            if _inexact(rows, case, name, dq, sets, expected):
+                continue
         except Exception as exc:  # a variant that does not compile is a finding, not a crash
             rows.append({"case": case, "what": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
             print(f"  {case} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            continue
-        if bad:
-            rows.append({"case": case, "what": name, "mismatches": bad})
-            print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
             continue
         _add_row(rows, case, name, _device_us(dq, sets, reps), nbytes, copy_gbs, 72, words_per_thread=r,
                  num_warps=warps, prefetch_next=pipe, tma_store=tma, programs_per_sm=per_sm,
@@ -356,11 +350,7 @@ def layout_lab(case, copy_gbs, reps=100) -> list[dict]:
                 return out
 
             name = f"lab nf4, {tag}, load {load}"
-            bad = bitexact_count(dq(sets[0]), expected) if n % 8 == 0 else -1
-            if bad:
-                rows.append({"case": case, "what": name, "mismatches": bad})
-                print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
-            else:
+            if not _inexact(rows, case, name, dq, sets, expected):
                 add(name, _device_us(dq, sets, reps), words_per_thread=r, num_warps=warps, load=load)
     del sets, expected, outs
     torch.cuda.empty_cache()
@@ -432,6 +422,18 @@ def _driver_launch():
     return launch
 
 
+def _inexact(rows, case, name, call, sets, expected, words_only=True) -> bool:
+    """Run `call` on the first input set and compare it with bitsandbytes' output; record and print
+    a row when it differs. words_only: the lab kernels write whole words only, so a weight with a
+    partial last word counts as inexact (-1) without running them."""
+    whole = not words_only or expected.numel() % 8 == 0
+    bad = bitexact_count(call(sets[0]), expected) if whole else -1
+    if bad:
+        rows.append({"case": case, "what": name, "mismatches": bad})
+        print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
+    return bool(bad)
+
+
 def _host(fn, calls=300):
     return round(timing.host_time_us(fn, [None], calls=calls)["median_us"], 3)
 
@@ -446,7 +448,6 @@ def host_parts(case="1024x1024:bf16") -> dict:
     dev, idx, shp = p.device, p.device.index, q.shape
     buf = torch.empty(shp, dtype=dtype, device=dev)
     tmpl = torch.empty(0, dtype=dtype, device=dev)
-    x = torch.empty(16, device=dev)
 
     def plan_with(direct, own):
         api.DIRECT_LAUNCH, api.NATIVE_LAUNCH = direct, own
@@ -458,7 +459,7 @@ def host_parts(case="1024x1024:bf16") -> dict:
     # The last plan made stays in place for the nf4.dequantize rows: the default (own launch function).
     wrapper, direct, own = plan_with(False, False), plan_with(True, False), plan_with(True, True)
     parts = {
-        "empty Triton kernel, JIT launch": lambda _: _empty_kernel[(1,)](x, 16),
+        "empty Triton kernel, JIT launch": _empty_jit_launch(),
         "driver cuLaunchKernel of an empty kernel (ctypes)": _driver_launch(),
         "python call of a no-op": lambda _: _noop(p, q),
         "torch.compiler.is_compiling()": lambda _: torch.compiler.is_compiling(),
@@ -577,11 +578,8 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
                                      if not (w == 4 and k == 32)])
     for tile, warps, per_sm in grid:
         call = cfg_call(tile, warps, per_sm)
-        bad = bitexact_count(call(sets[0]), expected)
         name = f"nf4 tile {tile} B, {warps} warps, " + (f"{per_sm} programs/SM" if per_sm else "one tile per program")
-        if bad:
-            rows.append({"case": case, "what": name, "mismatches": bad})
-            print(f"  {case} {name}: NOT bit-exact ({bad})", flush=True)
+        if _inexact(rows, case, name, call, sets, expected, words_only=False):
             continue
         add(name, _device_us(call, sets, reps), tile_bytes=tile, num_warps=warps, programs_per_sm=per_sm,
             graph_us=(timing.graph_time_us(call, sets) or {}).get("median_us"))
@@ -592,6 +590,12 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
     del sets, expected, flush, outs
     torch.cuda.empty_cache()
     return rows
+
+
+def _print_host(host: dict) -> dict:
+    for name, us in host["us"].items():
+        print(f"  host {name:<48} {us:7.2f} us  (second pass {host['us_second_pass'][name]:.2f})", flush=True)
+    return host
 
 
 def main(argv=None):
@@ -609,30 +613,19 @@ def main(argv=None):
         print("nf4.probe needs a CUDA GPU; nothing measured.", file=sys.stderr)
         return 2
     env = timing.environment()
-    copy = timing.copy_bandwidth_gbs()
-    print(f"{env['device']} triton {env['triton']} copy {copy['gbs']:.0f} GB/s", flush=True)
-    if args.pipe_lab:
-        rows = [row for case in args.cases for row in pipe_lab(case, copy["gbs"], reps=args.reps)]
-        path = timing.write_json(args.out, {"env": env, "copy_bandwidth": copy, "lab": rows})
-        print(f"wrote {path}")
-        return 0
-    if args.prefetch_lab:
-        rows = [row for case in args.cases for row in prefetch_lab(case, copy["gbs"], reps=args.reps)]
-        path = timing.write_json(args.out, {"env": env, "copy_bandwidth": copy, "lab": rows})
-        print(f"wrote {path}")
-        return 0
-    if args.lab:
-        rows = [row for case in args.cases for row in layout_lab(case, copy["gbs"], reps=args.reps)]
-        path = timing.write_json(args.out, {"env": env, "copy_bandwidth": copy, "lab": rows})
-        print(f"wrote {path}")
-        return 0
-    host = host_parts()
-    for name, us in host["us"].items():
-        print(f"  host {name:<48} {us:7.2f} us  (second pass {host['us_second_pass'][name]:.2f})", flush=True)
+    print(f"{env['device']} triton {env['triton']}", flush=True)
     if args.host:
-        path = timing.write_json(args.out, {"env": env, "host": host})
-        print(f"wrote {path}")
+        payload = {"env": env, "host": _print_host(host_parts())}
+        print(f"wrote {timing.write_json(args.out, payload)}")
         return 0
+    copy = timing.copy_bandwidth_gbs()
+    print(f"copy {copy['gbs']:.0f} GB/s", flush=True)
+    lab = pipe_lab if args.pipe_lab else prefetch_lab if args.prefetch_lab else layout_lab if args.lab else None
+    if lab is not None:
+        rows = [row for case in args.cases for row in lab(case, copy["gbs"], reps=args.reps)]
+        print(f"wrote {timing.write_json(args.out, {'env': env, 'copy_bandwidth': copy, 'lab': rows})}")
+        return 0
+    host = _print_host(host_parts())
     rows = []
     for case in args.cases:
         rows += device_parts(case, copy["gbs"], reps=args.reps)

@@ -136,6 +136,18 @@ def graph_time_us(fn, inputs: list, *, calls: int | None = None, reps: int = 20)
     return {"median_us": statistics.median(times), "min_us": min(times), "calls_per_replay": calls, "reps": reps}
 
 
+def _batch_us(fn, inputs: list, calls: int) -> float:
+    """Host microseconds per call over `calls` calls issued back to back, then one synchronize."""
+    import torch
+
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(inputs[i % len(inputs)])
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6 / calls
+
+
 def host_time_us(fn, inputs: list, *, calls: int = 200, warmup: int = 20, batches: int = 9) -> dict:
     """Host wall time per call without synchronisation (issue cost), median of `batches` batches."""
     import torch
@@ -143,14 +155,7 @@ def host_time_us(fn, inputs: list, *, calls: int = 200, warmup: int = 20, batche
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     torch.cuda.synchronize()
-    per_batch = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(inputs[i % len(inputs)])
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        per_batch.append((t1 - t0) * 1e6 / calls)
+    per_batch = [_batch_us(fn, inputs, calls) for _ in range(batches)]
     return {"median_us": statistics.median(per_batch), "min_us": min(per_batch), "calls": calls,
             "batches": batches}
 
@@ -173,12 +178,7 @@ def host_time_pair_us(fn, inputs: list, ref, ref_inputs: list, *, calls: int = 1
     for b in range(batches):
         for which in (("fn", "ref") if b % 2 == 0 else ("ref", "fn")):
             f, xs = (fn, inputs) if which == "fn" else (ref, ref_inputs)
-            t0 = time.perf_counter()
-            for i in range(calls):
-                f(xs[i % len(xs)])
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            times[which].append((t1 - t0) * 1e6 / calls)
+            times[which].append(_batch_us(f, xs, calls))
     return {"median_us": statistics.median(times["fn"]), "ref_median_us": statistics.median(times["ref"]),
             "calls": calls, "batches": batches}
 
