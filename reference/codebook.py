@@ -9,7 +9,6 @@ that a reader can see where each constant comes from and how far a rebuild lands
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import norm
 
 from .cpu_numerics import torch_linspace_f32
 from .format import QLORA_OFFSET
@@ -36,6 +35,8 @@ def nf4_code_from_normal(offset: float = QLORA_OFFSET, *, float32_grid: bool = T
     else:
         pos_p = np.linspace(offset, 0.5, 9)[:-1]
         neg_p = np.linspace(offset, 0.5, 8)[:-1]
+    from scipy.stats import norm  # imported here: `import reference` loads no scipy
+
     levels = np.concatenate([norm.ppf(pos_p), [0.0], -norm.ppf(neg_p)])
     levels.sort()
     if float32_grid:
