@@ -143,7 +143,7 @@ class CompilePeer:
         if self.save_dir is not None and sink:
             self.save_dir.mkdir(parents=True, exist_ok=True)
             stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{self.name}__{self.label or len(self.compiles)}")
-            path = self.save_dir / f"{stem}.py"
+            path = self.save_dir / f"{stem}.py.txt"  # data, not source: linters leave it alone
             path.write_text("\n\n# ---- next graph ----\n\n".join(sink))
             entry["saved"] = str(path)
         self.compiles.append(entry)
