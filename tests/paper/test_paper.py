@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repository root, for plain `pytest`
+from paper import generate
 
-from paper import generate  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (this file is tests/paper/test_paper.py)
 
 MAIN_TEX = ROOT / "paper" / "main.tex"
 GENERATED = ROOT / "paper" / "generated"
