@@ -1,4 +1,4 @@
-"""python -m experiments {list, run, sm75}: see experiments/README.md.
+"""python -m experiments {list, run, sm75, bench, probe}: see experiments/README.md.
 
 Without a CUDA device, TRITON_INTERPRET=1 is set here, before anything imports triton, so that
 `run` checks the variants in Triton's interpreter. `sm75` (and `run --sm75`) compiles in a child
@@ -21,6 +21,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="GPU: nf4.dequantize against its peers, device and host time (experiments.bench)",
+                   add_help=False)
+    sub.add_parser("probe", help="GPU: where host and device time go, and the layout labs (experiments.probe)",
+                   add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
     run = sub.add_parser("run", help="check every variant bit-exact, then time it (GPU)")
     run.add_argument("ids", nargs="*", help="variant ids or shell patterns (v3*); default all")
@@ -36,9 +40,16 @@ def main(argv=None) -> int:
     run.add_argument("--inductor-dir", default="results/inductor", help="where v60/v61 save inductor's code")
     sm = sub.add_parser("sm75", help="only the offline sm_75 compile (no GPU needed)")
     sm.add_argument("ids", nargs="*")
-    sm.add_argument("--out", default="results/experiments_sm75.json")
+    sm.add_argument("--out", default=None,
+                    help="JSON path (default: results/experiments_sm75.json for all variants; a subset writes "
+                         "under build/ so that it never replaces the committed file)")
     sm.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("bench", "probe"):
+        import importlib
+
+        return importlib.import_module(f"{__package__}.{argv[0]}").main(argv[1:])
     args = ap.parse_args(argv)
 
     from . import runner
@@ -50,6 +61,8 @@ def main(argv=None) -> int:
         from . import registry, sm75
 
         ids = [v.id for v in registry.select(args.ids) if v.kernel is not None]
+        if args.out is None:
+            args.out = "build/experiments_sm75_subset.json" if args.ids else "results/experiments_sm75.json"
         result = sm75.compile_in_child(ids, jobs=args.jobs, ptx_dir=args.ptx_dir)
         from verify.timing import write_json
 

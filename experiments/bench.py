@@ -1,8 +1,8 @@
 """Benchmark `nf4.dequantize` against bitsandbytes, an Unsloth-style baseline and torch.compile.
 
-    python -m nf4.bench                       # the issue's seven weights, results/nf4_bench.json
-    python -m nf4.bench --sweep               # also sweep tile size, warps, codebook, eviction
-    python -m nf4.bench --shapes 8192x2048:fp16 --out /tmp/b.json
+    python -m experiments bench                   # the bench weights, results/nf4_bench.json
+    python -m experiments bench --sweep           # also sweep tile size, warps, codebook, eviction
+    python -m experiments bench --shapes 8192x2048:fp16 --out /tmp/b.json
 
 Needs a CUDA GPU and bitsandbytes. Every provider is first checked bit-exact against
 bitsandbytes on the same weight; a provider that is not exact is reported and not timed.
@@ -21,19 +21,17 @@ import math
 import sys
 
 import torch
-import triton
 
+from nf4 import DequantConfig
+from nf4.dequant import api as dequant_api
 from verify import peers, timing
 from verify.cases import clone_state
+from verify.exact import mismatch_count as bitexact_count
+from verify.timing import empty_jit_launch
 
 DEFAULT_CASES = ["8192x2048:fp16", "2048x8192:fp16", "4096x1024:bf16", "1024x4096:bf16",
                  "14336x4096:bf16", "4096x14336:bf16", "28672x8192:bf16"]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@triton.jit
-def _empty_kernel(x_ptr, n):
-    pass
 
 
 def parse_case(text: str):
@@ -81,14 +79,6 @@ def providers(include_compile=True):
     return provs
 
 
-def bitexact_count(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Number of elements whose bit patterns differ (shape mismatch counts every element)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return max(a.numel(), b.numel())
-    iv = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    return int((a.contiguous().view(iv) != b.contiguous().view(iv)).sum().item())
-
-
 def bench_case(shape, dtype, provs, copy_gbs, *, reps=100, host=True):
     n = math.prod(shape)
     out_bytes = torch.empty((), dtype=dtype).element_size()
@@ -121,7 +111,7 @@ def bench_case(shape, dtype, provs, copy_gbs, *, reps=100, host=True):
             if host:
                 # Batches alternate with an empty Triton kernel's JIT launch, so the two host times
                 # are compared under the same drift of the host's speed.
-                h = timing.host_time_pair_us(call, sets, _empty_jit_launch(), [None], calls=100)
+                h = timing.host_time_pair_us(call, sets, empty_jit_launch(), [None], calls=100)
                 row["host_us"], row["jit_host_us"] = h["median_us"], h["ref_median_us"]
         rows.append(row)
         torch.cuda.empty_cache()
@@ -130,15 +120,9 @@ def bench_case(shape, dtype, provs, copy_gbs, *, reps=100, host=True):
     return rows
 
 
-def _empty_jit_launch():
-    """A callable(_) that launches the empty Triton kernel through the JIT."""
-    x = torch.empty(16, device="cuda")
-    return lambda _: _empty_kernel[(1,)](x, 16)
-
-
 def empty_launch_us():
     """Host time of launching an empty Triton kernel through the JIT, and its device time."""
-    launch = _empty_jit_launch()
+    launch = empty_jit_launch()
     launch(None)
     host = timing.host_time_us(launch, [None], calls=500)
     dev = timing.device_time_us(launch, [None], reps=200)
@@ -147,8 +131,6 @@ def empty_launch_us():
 
 def sweep(cases, copy_gbs, reps=60, grid=None):
     """Time nf4 over tile size x warps x codebook x eviction x bf16 rounding; every config checked first."""
-    import nf4
-
     rows = []
     if grid is None:
         grid = [(per * 32 * 4 * w, w, cb, cm) for per in (1, 2, 4) for w in (2, 4, 8) for cb in (0, 2)
@@ -161,11 +143,11 @@ def sweep(cases, copy_gbs, reps=60, grid=None):
         expected = peers.bnb_dequantize(*sets[0])
         bf16_opts = [False]
         for (tile, warps, codebook, store_cm), bf16_bits in itertools.product(grid, bf16_opts):
-            nf4.api.BF16_BITS = bf16_bits
+            config = DequantConfig(tile_bytes=tile, num_warps=warps, codebook=codebook, evict_stream="evict_first",
+                                   store_cm=store_cm, bf16_bits=bf16_bits)
 
-            def call(s, tile=tile, warps=warps, codebook=codebook, store_cm=store_cm):
-                p, q = s
-                return _launch_cfg(p, q, tile, warps, codebook, "evict_first", store_cm)
+            def call(s, config=config):
+                return _launch_cfg(s[0], s[1], config)
 
             row = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "tile_bytes": tile,
                    "num_warps": warps, "codebook": codebook, "evict_stream": "evict_first", "store_cm": store_cm,
@@ -177,20 +159,17 @@ def sweep(cases, copy_gbs, reps=60, grid=None):
                 row["pct_copy"] = 100 * nbytes / (t["median_us"] * 1e-6) / 1e9 / copy_gbs
             rows.append(row)
             print(f"  sweep {row}", flush=True)
-        nf4.api.BF16_BITS = False
         del sets, expected
         torch.cuda.empty_cache()
     return rows
 
 
-def _launch_cfg(packed, qs, tile, warps, codebook, evict, store_cm=""):
-    import nf4.api as api
-
+def _launch_cfg(packed, qs, config: DequantConfig):
     s2 = qs.state2
     out = torch.empty(qs.shape, dtype=qs.dtype, device=packed.device)
     n = math.prod(qs.shape)
-    api.launch(packed, qs.absmax, s2.absmax, s2.code, qs.offset, out, n, qs.blocksize, True, True,
-               tile_bytes=tile, num_warps=warps, codebook=codebook, evict_stream=evict, store_cm=store_cm)
+    dequant_api.launch(packed, qs.absmax, s2.absmax, s2.code, qs.offset, out, n, qs.blocksize, True, True,
+                       config=config)
     return out
 
 
@@ -206,7 +185,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=100)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("nf4.bench needs a CUDA GPU; nothing measured.", file=sys.stderr)
+        print("experiments bench needs a CUDA GPU; nothing measured.", file=sys.stderr)
         return 2
     env = timing.environment()
     copy = timing.copy_bandwidth_gbs()

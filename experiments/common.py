@@ -1,10 +1,12 @@
 """What the variant files share: the state's tensors, GPU-or-interpreter flags, one launch path.
 
-`launch(kernel, grid, *args, ...)` is how every experiment kernel is launched. On a GPU it caches
-the compiled kernel per specialisation (as `nf4.api` does), so that variants compare kernels and
-not Triton's JIT dispatch (v50_jit_launch asks for the JIT on purpose). While `recording()` is
-active nothing runs: launches are recorded, so that `experiments.sm75` can rebuild the exact
-signature and constexprs of a launch on meta tensors and compile it offline.
+`launch(kernel, grid, *args, ...)` is how every experiment kernel is launched: through nf4's own
+launch mechanism (`nf4.runtime`: the compiled kernel cached per specialisation), so that variants
+compare kernels and not Triton's JIT dispatch (v50_jit_launch asks for the JIT on purpose). While
+`recording()` is active nothing runs: launches are recorded (`nf4.runtime.recording`), so that
+`experiments.sm75` can rebuild the exact signature and constexprs of a launch on meta tensors and
+compile it offline. The device-side helpers are nf4's own (`nf4.device`); the ones below only
+combine them into the shapes the variants share.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-import nf4.api
-from nf4.kernel import _absmax_of_block, _mul, _nf4_level, _to_bf16_rne
+from nf4 import DequantConfig, runtime
+from nf4.dequant import api as dequant_api
+from nf4.device import absmax_of_block, high_nibble, low_nibble, mul, nf4_level, store_rounded, word_nibble_shift
 
-_recorder: list | None = None
-_compiled: dict = {}
+PRODUCTION = DequantConfig()  # the defaults variants compare against (bf16_bits, evict_stream, ...)
 
 
 @dataclass(frozen=True)
@@ -50,21 +52,26 @@ def state_of(packed: torch.Tensor, quant_state) -> State:
     if n > 2**31 - 2**16:
         raise ValueError(f"{n} weights: the experiment kernels use 32-bit offsets (nf4.dequantize does not)")
     s2 = quant_state.state2
-    return State(quant_state.absmax, s2.absmax, s2.code, quant_state.offset, nf4.api._code_table(packed.device), n,
+    return State(quant_state.absmax, s2.absmax, s2.code, quant_state.offset, code_table(packed.device), n,
                  quant_state.blocksize)
+
+
+def code_table(device: torch.device, codebook: int = 0) -> torch.Tensor:
+    """The NF4 level table the production kernel reads on `device` (16 float32; 256 pairs for codebook 2)."""
+    return dequant_api.code_table(device, codebook)
 
 
 def interpreting(t: torch.Tensor) -> bool:
     """True when a launch on `t` runs in Triton's interpreter (never while recording for a compile)."""
-    if _recorder is not None:
+    if runtime.is_recording():
         return False
     return t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def flags(t: torch.Tensor, ftz: bool) -> tuple[bool, bool]:
-    """(ASM, BF16_BITS) as nf4.api chooses them: PTX FTZ multiply and native bf16 rounding on a GPU."""
+    """(ASM, BF16_BITS) as nf4's launch chooses them: PTX FTZ multiply and native bf16 rounding on a GPU."""
     interp = interpreting(t)
-    return bool(ftz) and not interp, interp or nf4.api.BF16_BITS
+    return bool(ftz) and not interp, interp or PRODUCTION.bf16_bits
 
 
 def unit_plan(packed: torch.Tensor, n: int, tile_bytes: int, unit: int) -> tuple[bool, int, tuple]:
@@ -83,95 +90,69 @@ def unit_plan(packed: torch.Tensor, n: int, tile_bytes: int, unit: int) -> tuple
     return False, 0, (triton.cdiv(n_bytes, tile_bytes),)
 
 
-def _spec_key(kernel, args) -> tuple:
-    """What Triton specialises a launch on: constexpr values, dtypes, 16-divisibility, == 1, int width."""
-    key = []
-    for param, arg in zip(kernel.params, args, strict=True):
-        if param.is_constexpr:
-            key.append(arg)
-        elif isinstance(arg, torch.Tensor):
-            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif isinstance(arg, bool):
-            key.append(("b", arg))
-        elif isinstance(arg, int):
-            key.append((arg % 16 == 0, arg == 1, -(2**31) <= arg < 2**31))
-        else:
-            key.append(type(arg).__name__)
-    return tuple(key)
-
-
 def launch(kernel, grid, *args, jit: bool = False, **options):
-    """Launch `kernel[grid](*args, **options)` through a compiled-kernel cache; contraction off by default.
+    """Launch `kernel[grid](*args, **options)` through nf4's compiled-kernel cache; contraction off by default.
 
     options: num_warps (default 4), enable_fp_fusion (default False), any other launch option.
     jit=True goes through Triton's JIT dispatch on every call (what a plain `kernel[grid](...)` costs).
     """
-    options = {"num_warps": 4, "enable_fp_fusion": False, **options}
-    grid = tuple(grid) + (1,) * (3 - len(grid))  # a compiled kernel reads grid[0], grid[1], grid[2]
-    if _recorder is not None:
-        _recorder.append((kernel, grid, args, options))
-        return
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if jit or first is None or interpreting(first):
-        kernel[grid](*args, **options)
-        return
-    key = (kernel, first.device.index, tuple(sorted(options.items())), _spec_key(kernel, args))
-    compiled = _compiled.get(key)
-    if compiled is None:
-        _compiled[key] = kernel[grid](*args, **options)
-    else:
-        compiled[grid](*args)
+    device = first.device if first is not None else torch.device("cpu")
+    runtime.launch(kernel, grid, dict(zip(kernel.arg_names, _as_gpu_launch(kernel, args), strict=True)),
+                   device=device, jit=jit or first is None, **options)
 
 
 def _as_gpu_launch(kernel, args: tuple) -> tuple:
-    """nf4.api.launch on meta tensors believes it is interpreting: give ASM and BF16_BITS their GPU values."""
+    """A launch on meta tensors (recorded for the offline compile) believes it is interpreting: give
+    ASM and BF16_BITS their GPU values."""
     if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
         return args
-    names = [p.name for p in kernel.params]
+    names = list(kernel.arg_names)
     args = list(args)
     if "ASM" in names and "FTZ" in names:
         args[names.index("ASM")] = args[names.index("FTZ")]
     if "BF16_BITS" in names:
-        args[names.index("BF16_BITS")] = nf4.api.BF16_BITS
+        args[names.index("BF16_BITS")] = PRODUCTION.bf16_bits
     return tuple(args)
-
-
-class _KernelRecorder:
-    """Stands in for nf4.api's kernel while recording: `kernel[grid](*args, **options)` is recorded."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        def record(*args, **options):
-            _recorder.append((self.kernel, grid, _as_gpu_launch(self.kernel, args), options))
-
-        return record
 
 
 @contextlib.contextmanager
 def recording():
-    """Record launches instead of running them (experiments.common.launch and nf4.api.launch).
+    """Record launches instead of running them (this module's `launch` and nf4's). Yields a list that
+    holds, once the block exits, each launch as (kernel, grid, args, options), with a meta-tensor
+    launch's ASM and BF16_BITS at their GPU values."""
+    calls: list = []
+    with runtime.recording() as raw:
+        try:
+            yield calls
+        finally:
+            calls.extend((r.fn, r.grid, _as_gpu_launch(r.fn, r.args), r.options) for r in raw)
 
-    Yields the list of (kernel, grid, args, options). nf4.api's compiled-kernel cache is swapped
-    for an empty one meanwhile, so that its launch reaches the (recorded) kernel call. Nests.
-    """
-    global _recorder
-    saved = _recorder, nf4.api.nf4_dequantize_kernel, nf4.api._compiled
-    kernel = saved[1].kernel if isinstance(saved[1], _KernelRecorder) else saved[1]
-    _recorder = []
-    nf4.api.nf4_dequantize_kernel, nf4.api._compiled = _KernelRecorder(kernel), {}
+
+@contextlib.contextmanager
+def artifact_dir(path: str | None):
+    """Save v60/v61's inductor code under `path` inside the block (None: the default, ARTIFACT_DIR)."""
+    _artifact_dirs.append(path or ARTIFACT_DIR)
     try:
-        yield _recorder
+        yield
     finally:
-        _recorder, nf4.api.nf4_dequantize_kernel, nf4.api._compiled = saved
+        _artifact_dirs.pop()
 
 
-def launch_production(packed, quant_state, out, ftz, **meta):
-    """nf4.api.launch (the production kernel, cached compiled launch) with experiment meta-parameters."""
+def current_artifact_dir() -> str:
+    """Where v60/v61 save inductor's generated code now."""
+    return _artifact_dirs[-1] if _artifact_dirs else ARTIFACT_DIR
+
+
+def launch_production(packed, quant_state, out, ftz, **changes):
+    """The production kernel through nf4's own launch (cached compiled launch): the tuned config for
+    this weight, with the DequantConfig fields in `changes` changed (the experiment's one change)."""
     s = state_of(packed, quant_state)
-    return nf4.api.launch(packed, s.absmax_u8, s.absmax2, s.code2, s.offset, out, s.n, s.blocksize, True, ftz,
-                          **meta)
+    config = None
+    if changes:
+        config = dequant_api.tuned_config(out.device, s.n * out.element_size()).with_(**changes)
+    return dequant_api.launch(packed, s.absmax_u8, s.absmax2, s.code2, s.offset, out, s.n, s.blocksize, True, ftz,
+                              config=config)
 
 
 @triton.jit
@@ -180,8 +161,7 @@ def word_levels(word, code_ptr, TABLE_EVICT: tl.constexpr):
 
     Little-endian: byte j of the word is bits 8j..8j+7, and element 2j is its HIGH nibble.
     """
-    k = tl.arange(0, 8)
-    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    shift = word_nibble_shift(tl.arange(0, 8))
     nib = ((word[:, None] >> shift[None, :]) & 0xF).to(tl.int32)
     return tl.load(code_ptr + nib, eviction_policy=TABLE_EVICT)
 
@@ -191,20 +171,8 @@ def store_word8(out_ptr, base, word, absmax, code_ptr, mask, FTZ: tl.constexpr, 
                 BF16_BITS: tl.constexpr, TABLE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
                 STORE_EVICT: tl.constexpr):
     """The 8 weights of each word [R] -> outputs base .. base + 7 ([R, 1] base; one 16-byte store in 16 bits)."""
-    y = _mul(word_levels(word, code_ptr, TABLE_EVICT), absmax[:, None], FTZ, ASM)
+    y = mul(word_levels(word, code_ptr, TABLE_EVICT), absmax[:, None], FTZ, ASM)
     store_rounded(out_ptr, base + tl.arange(0, 8)[None, :], y, mask, BF16_BITS, STORE_CACHE, STORE_EVICT)
-
-
-@triton.jit
-def store_rounded(out_ptr, idx, y, mask, BF16_BITS: tl.constexpr, STORE_CACHE: tl.constexpr,
-                  STORE_EVICT: tl.constexpr):
-    # No default values on constexpr parameters: Triton 3.6 cannot compile a call that relies on one.
-    """Round float32 `y` to the output dtype (RNE; integer ops for bf16 when BF16_BITS) and store it."""
-    if BF16_BITS and out_ptr.dtype.element_ty == tl.bfloat16:
-        y_out = _to_bf16_rne(y)
-    else:
-        y_out = y.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + idx, y_out, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=STORE_EVICT)
 
 
 @triton.jit
@@ -214,12 +182,15 @@ def tail_bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_
     and every byte when the packed pointer is not aligned for the vector load."""
     ok = b < n_bytes
     byte = tl.load(packed_ptr + b, mask=ok, other=0)
-    absmax = _absmax_of_block((b * 2) // BLOCKSIZE, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
-                              ASM)
-    hi = _mul(_nf4_level((byte >> 4).to(tl.int32), code_ptr, 0), absmax, FTZ, ASM)
-    lo = _mul(_nf4_level((byte & 0xF).to(tl.int32), code_ptr, 0), absmax, FTZ, ASM)
+    absmax = absmax_of_block((b * 2) // BLOCKSIZE, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
+                             ASM)
+    hi = mul(nf4_level(high_nibble(byte), code_ptr, 0), absmax, FTZ, ASM)
+    lo = mul(nf4_level(low_nibble(byte), code_ptr, 0), absmax, FTZ, ASM)
     y = tl.reshape(tl.join(hi, lo), (2 * b.shape[0],))  # element 2k = high nibble of byte k
     idx = tl.reshape(tl.join(b * 2, b * 2 + 1), (2 * b.shape[0],))
     store_rounded(out_ptr, idx, y, idx < n, BF16_BITS, "", "")
 
-ARTIFACT_DIR = "results/inductor"  # where v60/v61 save inductor's generated code; the runner may change it
+ARTIFACT_DIR = "results/inductor"  # where v60/v61 save inductor's generated code by default
+_artifact_dirs: list[str] = []
+# Saved generated code is data, not source: a suffix that linters and import tools leave alone.
+GENERATED_CODE_SUFFIX = ".py.txt"

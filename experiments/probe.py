@@ -1,6 +1,6 @@
 """Where the time of an `nf4.dequantize` call goes, on the host and on the GPU.
 
-    python -m nf4.probe --out results/tuning/h200_probe.json
+    python -m experiments probe --out results/tuning/h200_probe.json
 
 Host: the cost of each step of the fast repeat call (plan lookup, output allocation, the current
 stream, Triton's launch wrapper versus its C launch function), next to the whole call and an
@@ -8,7 +8,7 @@ empty Triton kernel's JIT launch. Device: the kernel beside what the same bytes 
 by other means (a copy of the same byte count, a fill of the output, and a Triton kernel with the
 same access pattern that does no dequantization arithmetic), and the fixed-grid (persistent)
 variants of the kernel. Every kernel variant is checked bit-exact against bitsandbytes first.
-Exploratory: the repository's figures come from `python -m nf4.bench` and `python -m verify`.
+Exploratory: the repository's figures come from `python -m experiments bench` and `python -m verify`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
+import nf4
+from nf4 import DequantConfig
+from nf4.dequant import api as dequant_api
+from nf4.device import absmax_of_block, mul, nf4_level, store_rounded, word_nibble_shift
+from nf4.runtime import native
 from verify import peers, timing
+from verify.exact import mismatch_count as bitexact_count
+from verify.timing import empty_jit_launch
 
-from .bench import _empty_jit_launch, bitexact_count, make_weights, parse_case
-from .kernel import _absmax_of_block, _mul, _nf4_level, _store_out
+from .bench import make_weights, parse_case
 
 
 @triton.jit
@@ -80,7 +86,7 @@ def _expand3d_kernel(words_ptr, out_ptr, n_words, R: tl.constexpr, T: tl.constex
     ok = w < n_words
     word = _load_word(words_ptr + tl.minimum(w, n_words - 1), ok, LOAD)
     k = tl.arange(0, 8)
-    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    shift = word_nibble_shift(k)
     nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.float32)
     tl.store(out_ptr + w[:, :, None] * 8 + k[None, None, :], nib.to(out_ptr.dtype.element_ty),
              mask=ok[:, :, None], cache_modifier=STORE_CM)
@@ -96,13 +102,13 @@ def _nf4_3d_kernel(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, c
     ok = w < n_words
     wc = tl.minimum(w, n_words - 1)
     word = _load_word(words_ptr + wc, ok, LOAD)
-    absmax = _absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+    absmax = absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                               True, True, True)
     k = tl.arange(0, 8)
-    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    shift = word_nibble_shift(k)
     nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.int32)
-    y = _mul(_nf4_level(nib, code_ptr, 0), absmax[:, :, None], True, True)
-    _store_out(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, STORE_CM)
+    y = mul(nf4_level(nib, code_ptr, 0), absmax[:, :, None], True, True)
+    store_rounded(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, STORE_CM, "")
 
 
 @triton.jit
@@ -147,13 +153,13 @@ def _nf4_pf_kernel(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, c
     ok = w < n_words
     wc = tl.minimum(w, n_words - 1)
     word = tl.load(words_ptr + wc)
-    absmax = _absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+    absmax = absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                               True, True, True)
     k = tl.arange(0, 8)
-    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    shift = word_nibble_shift(k)
     nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.int32)
-    y = _mul(_nf4_level(nib, code_ptr, 0), absmax[:, :, None], True, True)
-    _store_out(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, ".cs")
+    y = mul(nf4_level(nib, code_ptr, 0), absmax[:, :, None], True, True)
+    store_rounded(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, ".cs", "")
 
 
 PF_GRID = tuple((r, w, pf, per_sm) for r, w in ((2, 2), (2, 4), (1, 4)) for pf, per_sm in
@@ -162,11 +168,10 @@ PF_GRID = tuple((r, w, pf, per_sm) for r, w in ((2, 2), (2, 4), (1, 4)) for pf, 
 
 def prefetch_lab(case, copy_gbs, reps=100) -> list[dict]:
     """The upfront-prefetch variants of the nf4 kernel (each checked bit-exact first)."""
-    import nf4.api as api
 
     shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     n_words, n_bytes = n // 8, (n + 1) // 2
-    code = api._code_table(sets[0][0].device)
+    code = dequant_api.code_table(sets[0][0].device)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for r, warps, pf, per_sm in PF_GRID:
@@ -208,16 +213,16 @@ def _pipe_finish(word, q, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr,
     blk = tl.minimum(w, n_words - 1) // (BLOCKSIZE // 8)
     level = tl.load(code2_ptr + q.to(tl.int32), eviction_policy="evict_last")
     scale2 = tl.load(absmax2_ptr + blk // 256, eviction_policy="evict_last")
-    absmax = _mul(level, scale2, True, True) + tl.load(offset_ptr)
+    absmax = mul(level, scale2, True, True) + tl.load(offset_ptr)
     k = tl.arange(0, 8)
-    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    shift = word_nibble_shift(k)
     nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.int32)
-    y = _mul(_nf4_level(nib, code_ptr, 0), absmax[:, :, None], True, True)
+    y = mul(nf4_level(nib, code_ptr, 0), absmax[:, :, None], True, True)
     if TMA:
         # out_ptr is a tensor descriptor over the output viewed as [n / (8 * T), 8 * T]; a tile is R rows.
         out_ptr.store([t * R, 0], tl.reshape(y.to(out_ptr.dtype), (R, T * 8)))
     else:
-        _store_out(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, ".cs")
+        store_rounded(out_ptr, w[:, :, None] * 8 + k[None, None, :], y, ok[:, :, None], False, ".cs", "")
 
 
 @triton.jit
@@ -252,18 +257,17 @@ PIPE_GRID = tuple((r, w, pipe, tma, per_sm) for tma in (False, True) for r, w in
 
 def pipe_lab(case, copy_gbs, reps=100) -> list[dict]:
     """Fixed-grid variants with a register double buffer, and with TMA stores (each checked bit-exact first)."""
-    import nf4.api as api
 
     shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     n_words = n // 8
-    code = api._code_table(sets[0][0].device)
+    code = dequant_api.code_table(sets[0][0].device)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
 
     def default(s):
         p, q = s
         out = torch.empty(shape, dtype=dtype, device="cuda")
-        api.launch(p, q.absmax, q.state2.absmax, q.state2.code, q.offset, out, n, q.blocksize, True, True)
+        dequant_api.launch(p, q.absmax, q.state2.absmax, q.state2.code, q.offset, out, n, q.blocksize, True, True)
         return out
 
     if bitexact_count(default(sets[0]), expected):
@@ -314,12 +318,11 @@ LAB_LOADS = ((2, 2), (2, 4), (4, 4), (8, 4), (4, 8))  # also timed with every LO
 def layout_lab(case, copy_gbs, reps=100) -> list[dict]:
     """Words per thread (R) x warps for a store-only, a load+store and an nf4 kernel with R words per
     thread taken T apart (the store layout, so no relayout is needed)."""
-    import nf4.api as api
 
     shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     outs = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(2)]
     n_words = n // 8
-    code = api._code_table(sets[0][0].device)
+    code = dequant_api.code_table(sets[0][0].device)
     rows = []
 
     def add(name, us, **extra):
@@ -440,34 +443,33 @@ def _host(fn, calls=300):
 
 def host_parts(case="1024x1024:bf16") -> dict:
     """Host microseconds per step of the fast path (a small weight, so the GPU keeps up)."""
-    import nf4
-    import nf4.api as api
-
     shape, dtype = parse_case(case)
     (p, q), = make_weights(shape, dtype, copies=1)
     dev, idx, shp = p.device, p.device.index, q.shape
     buf = torch.empty(shp, dtype=dtype, device=dev)
     tmpl = torch.empty(0, dtype=dtype, device=dev)
 
-    def plan_with(direct, own):
-        api.DIRECT_LAUNCH, api.NATIVE_LAUNCH = direct, own
-        api._plans.pop(id(q), None)
-        nf4.dequantize(p, q)
-        api.DIRECT_LAUNCH = api.NATIVE_LAUNCH = True
-        return api._plans[id(q)]
+    tuned = dequant_api.tuned_config(dev, math.prod(shp) * buf.element_size())
 
-    # The last plan made stays in place for the nf4.dequantize rows: the default (own launch function).
+    def plan_with(direct, own):
+        config = tuned.with_(direct_launch=direct, native_launch=own)
+        dequant_api.forget_plan(q)
+        nf4.dequantize(p, q, config=config)
+        return dequant_api.cached_plan(q)
+
     wrapper, direct, own = plan_with(False, False), plan_with(True, False), plan_with(True, True)
+    dequant_api.forget_plan(q)
+    nf4.dequantize(p, q)  # the plan of a call without a config stays for the nf4.dequantize rows
     parts = {
-        "empty Triton kernel, JIT launch": _empty_jit_launch(),
+        "empty Triton kernel, JIT launch": empty_jit_launch(),
         "driver cuLaunchKernel of an empty kernel (ctypes)": _driver_launch(),
         "python call of a no-op": lambda _: _noop(p, q),
         "torch.compiler.is_compiling()": lambda _: torch.compiler.is_compiling(),
-        "plan lookup + match": lambda _: api._plans.get(id(q)).matches(p, q),
+        "plan lookup + match": lambda _: dequant_api.cached_plan(q).matches(p, q),
         "torch.empty(shape, dtype=, device=)": lambda _: torch.empty(shp, dtype=dtype, device=dev),
         "torch.empty(shape, dtype=, device=index)": lambda _: torch.empty(shp, dtype=dtype, device=idx),
         "Tensor.new_empty(shape)": lambda _: tmpl.new_empty(shp),
-        "current raw stream": lambda _: api._raw_stream(idx),
+        "current raw stream": lambda _: torch._C._cuda_getCurrentRawStream(idx),
         "plan.run(out) via CompiledKernel.run": lambda _: wrapper.run(buf),
         "plan.run(out) via the C launch function": lambda _: direct.run(buf),
         "plan.run() via the C launch function": lambda _: direct.run(),
@@ -479,10 +481,8 @@ def host_parts(case="1024x1024:bf16") -> dict:
     for fn in parts.values():  # warm every path once (compiles the empty kernel)
         fn(None)
     torch.cuda.synchronize()
-    from . import native
-
-    result = {"case": case, "direct_launch_used": direct.launch is not wrapper.launch,
-              "own_launch_used": own.native is not None, "own_launch_build_error": native.build_error}
+    result = {"case": case, "direct_launch_used": direct.bound.ctx[0] is not wrapper.bound.ctx[0],
+              "own_launch_used": bool(own.bound.native), "own_launch_build_error": native.build_error}
     result["us"] = {name: _host(fn) for name, fn in parts.items()}
     # Second pass in reverse order: the spread between the passes shows the noise.
     result["us_second_pass"] = {name: _host(parts[name]) for name in reversed(parts)}
@@ -516,7 +516,6 @@ def _device_us(call, sets, reps, flush=None):
 
 
 def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
-    import nf4.api as api
 
     shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     out_bytes = expected.element_size()
@@ -544,9 +543,8 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
 
         add(f"nf4's stores only: {tile} words, {warps} warps, cache '{cm}'", _device_us(store_call, outs, reps))
 
-    small = n * out_bytes <= api.SMALL_OUT_BYTES
-    tile_words = (api.TILE_BYTES_SMALL if small else api.TILE_BYTES) // 4
-    warps = api.NUM_WARPS_SMALL if small else api.NUM_WARPS
+    tuned = dequant_api.tuned_config(torch.device("cuda", torch.cuda.current_device()), n * out_bytes)
+    tile_words, warps = tuned.tile_bytes // 4, tuned.num_warps
     row = min(tile_words, 32 * warps)
 
     def floor_call(s):  # nf4's tile, warps, word layout, loads and stores, with no dequantization
@@ -563,8 +561,9 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
             p, q = s
             s2 = q.state2
             out = torch.empty(q.shape, dtype=q.dtype, device=p.device)
-            api.launch(p, q.absmax, s2.absmax, s2.code, q.offset, out, n, q.blocksize, True, True,
-                       tile_bytes=tile, num_warps=warps, programs_per_sm=per_sm)
+            config = None if tile is None else DequantConfig(tile_bytes=tile, num_warps=warps, programs_per_sm=per_sm)
+            dequant_api.launch(p, q.absmax, s2.absmax, s2.code, q.offset, out, n, q.blocksize, True, True,
+                               config=config)
             return out
         return call
 
@@ -610,7 +609,7 @@ def main(argv=None):
                     help="only the fixed-grid variants with a register double buffer and/or TMA stores")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("nf4.probe needs a CUDA GPU; nothing measured.", file=sys.stderr)
+        print("experiments probe needs a CUDA GPU; nothing measured.", file=sys.stderr)
         return 2
     env = timing.environment()
     print(f"{env['device']} triton {env['triton']}", flush=True)

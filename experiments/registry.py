@@ -1,9 +1,10 @@
 """The one registry of experiment variants.
 
-A variant is one file in `experiments/variants/` that calls `register(...)` at import time.
-`variants()` imports every module of that package (pkgutil; names starting with "_" are
-helpers, not variants), so no list of variants is kept anywhere by hand. A module may register
-a family from a grid written in that one file (see v30_tiles.py).
+A variant is one file in `experiments/variants/<op>/` that calls `register(...)` at import time;
+its op (`experiments.ops`) is the package it lives in. `variants()` imports every module of every
+op's package (pkgutil; names starting with "_" are helpers, not variants), so no list of variants
+is kept anywhere by hand. A module may register a family from a grid written in that one file
+(see variants/dequant/v30_tiles.py).
 
     @register("v01_byte_pairs", parent="v00_naive", change="one packed byte per lane, both nibbles")
     def run(packed, quant_state, out, *, ftz):
@@ -47,6 +48,7 @@ class Variant:
     host_timing: bool = False  # also record host time per call and the harness's wall clock
     spills_expected: bool = False  # known to spill registers (measured); tests assert it stays so
     note: str = ""  # caveats the result table should carry (e.g. what the interpreter cannot check)
+    op: str = "dequant"  # the operation (experiments.ops) the variant implements: its package's name
     module: str = field(default="", compare=False)
     teaches: str = field(default="", compare=False)  # first line of the module docstring
 
@@ -62,6 +64,9 @@ def register(id: str, *, parent: str | None, change: str, **fields) -> Callable:
         if id in _REGISTRY:
             raise ValueError(f"variant {id!r} registered twice ({_REGISTRY[id].module} and {run.__module__})")
         module = fields.pop("module", getattr(run, "__module__", ""))
+        prefix = __package__ + ".variants."
+        if "op" not in fields and module.startswith(prefix) and module.count(".") >= 3:
+            fields["op"] = module[len(prefix):].split(".")[0]
         doc = (sys.modules[module].__doc__ or "") if module in sys.modules else ""
         teaches = doc.strip().splitlines()[0] if doc.strip() else ""
         _REGISTRY[id] = Variant(id=id, parent=parent, change=change, run=run, module=module, teaches=teaches,
@@ -72,14 +77,16 @@ def register(id: str, *, parent: str | None, change: str, **fields) -> Callable:
 
 
 def variants() -> dict[str, Variant]:
-    """Every registered variant by id, sorted by id; imports experiments.variants.* on first use."""
+    """Every registered variant by id, sorted by id; imports experiments.variants.<op>.* on first use."""
     global _DISCOVERED
     if not _DISCOVERED:
-        from . import variants as package
+        from . import ops
 
-        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-            if not info.name.startswith("_"):
-                importlib.import_module(f"{package.__name__}.{info.name}")
+        for op in ops.names():
+            package = importlib.import_module(f"{__package__}.variants.{op}")
+            for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+                if not info.name.startswith("_"):
+                    importlib.import_module(f"{package.__name__}.{info.name}")
         _DISCOVERED = True
         missing = {v.parent for v in _REGISTRY.values() if v.parent and v.parent not in _REGISTRY}
         if missing:

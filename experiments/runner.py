@@ -19,25 +19,16 @@ a table is printed last. `--sm75` adds the offline sm_75 compile of every kernel
 from __future__ import annotations
 
 import csv
-import math
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from verify import timing
-from verify.cases import clone_state
 
-from . import common, registry
+from . import common, ops, registry
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-GPU_CASES = ["8192x2048:fp16", "4096x1024:bf16", "14336x4096:bf16"]  # the challenge configs' weights (bs 64)
-GPU_BIG_CASES = ["28672x8192:bf16"]  # also run for the production kernel's chain (PRODUCTION_ROOT and below)
-PRODUCTION_ROOT = "v50_jit_launch"
-# Odd numel, a tail after the last whole word and row; 3x2905 at blocksize 32 spans 273 blocks (two state2 scales).
-INTERPRETER_CASES = ["37x129:fp16", "37x129:bf16", "3x2905:fp16:32", "3x2905:bf16:32"]
 POISON = {torch.float16: 0x7D5A, torch.bfloat16: 0x7FA5, torch.float32: 0x7FA55A5A}  # NaNs no kernel writes
 CSV_FIELDS = ["variant", "parent", "case", "device", "mode", "status", "exact_expected", "mismatches", "total",
               "device_us", "device_q1_us", "device_q3_us", "graph_us", "gbs", "pct_copy", "host_us", "wall_us",
@@ -45,72 +36,9 @@ CSV_FIELDS = ["variant", "parent", "case", "device", "mode", "status", "exact_ex
               "change", "note", "error"]
 
 
-@dataclass(frozen=True)
-class Case:
-    """A weight to dequantize: shape, output dtype, blocksize (double quantization on)."""
-
-    text: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    blocksize: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def min_bytes(self) -> int:
-        """Fewest bytes moved: packed weights, absmax, state2, and the output."""
-        return timing.nf4_bytes(self.numel, self.blocksize, torch.empty((), dtype=self.dtype).element_size())
-
-
-def parse_case(text: str) -> Case:
-    """'8192x2048:fp16' or '3x2905:bf16:32' (blocksize, default 64) -> Case."""
-    parts = text.split(":")
-    if not 1 <= len(parts) <= 3 or (len(parts) > 1 and parts[1] not in DTYPES):
-        raise ValueError(f"case {text!r}: expected ROWSxCOLS[:fp16|bf16|fp32[:BLOCKSIZE]]")
-    shape = tuple(int(d) for d in parts[0].split("x"))
-    dtype = DTYPES[parts[1]] if len(parts) > 1 else torch.float16
-    return Case(text, shape, dtype, int(parts[2]) if len(parts) > 2 else 64)
-
-
 def gpu_mode() -> bool:
     """True when variants run on a CUDA GPU (not in Triton's interpreter)."""
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
-def make_inputs(case: Case, device: str, copies: int, seed: int = 0) -> list[tuple]:
-    """`copies` independent (packed, quant_state, out) sets of one bitsandbytes-quantized random weight."""
-    import bitsandbytes.functional as F
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(case.shape, generator=gen, device=device, dtype=torch.float32)
-    x *= torch.exp2(torch.randint(-4, 5, case.shape, generator=gen, device=device).float())  # a few octaves
-    x.view(-1)[::13] = 0.0
-    packed, qs = F.quantize_4bit(x.to(case.dtype), blocksize=case.blocksize, compress_statistics=True,
-                                 quant_type="nf4")
-    del x
-    sets = [(packed, qs, torch.empty(case.shape, dtype=case.dtype, device=device))]
-    for _ in range(copies - 1):
-        sets.append((packed.clone(), clone_state(qs), torch.empty(case.shape, dtype=case.dtype, device=device)))
-    return sets
-
-
-def expected_output(packed, qs, gpu: bool) -> torch.Tensor:
-    """The oracle: bitsandbytes' CUDA dequantize_4bit on a GPU, else the NumPy reference with ftz=True."""
-    if gpu:
-        import bitsandbytes.functional as F
-
-        return F.dequantize_4bit(packed, qs, quant_type="nf4")
-    import numpy as np
-
-    import reference
-
-    name = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}[qs.dtype]
-    arr = reference.dequantize_nf4(reference.from_bnb(packed, qs), name, ftz=True)
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    t = t.view(torch.int16).view(torch.bfloat16) if qs.dtype == torch.bfloat16 else t
-    return t.reshape(qs.shape)
 
 
 def poison(out: torch.Tensor) -> None:
@@ -140,9 +68,18 @@ def mismatches(got: torch.Tensor, expected: torch.Tensor, limit: int = 3) -> tup
     return count, total, first
 
 
-def cases_for(variant: registry.Variant, cases: list[Case], big: list[Case]) -> list[Case]:
-    """The default GPU cases, plus the big ones for the production kernel's chain."""
-    return cases + big if PRODUCTION_ROOT in registry.lineage(variant.id) else cases
+def cases_for(variant: registry.Variant, gpu: bool, case_texts: list[str] | None = None) -> list:
+    """The variant's cases: those given, else its op's defaults (on a GPU, plus the big ones for the
+    production kernel's chain)."""
+    op = ops.get(variant.op)
+    if case_texts:
+        return [op.parse_case(c) for c in case_texts]
+    if not gpu:
+        return [op.parse_case(c) for c in op.interpreter_cases]
+    texts = list(op.gpu_cases)
+    if op.big_root and op.big_root in registry.lineage(variant.id):
+        texts += op.big_cases
+    return [op.parse_case(c) for c in texts]
 
 
 class _Progress:
@@ -174,10 +111,10 @@ def check_variant(variant: registry.Variant, sets: list[tuple], expected: torch.
     """Run once into a poisoned buffer and compare bit for bit: status, mismatches, total, first_mismatches."""
     if variant.gpu_only and not gpu:
         return {"status": "skipped", "note": "GPU only: not run in the interpreter"}
-    packed, qs, out = sets[0]
+    *inputs, out = sets[0]
     poison(out)
     try:
-        got = variant.run(packed, qs, out, ftz=True)
+        got = variant.run(*inputs, out, ftz=True)
         if gpu:
             torch.cuda.synchronize()
     except Exception as exc:  # a failing variant is a row, not the end of the run
@@ -190,11 +127,11 @@ def check_variant(variant: registry.Variant, sets: list[tuple], expected: torch.
     return {"status": status, "mismatches": count, "total": total, "first_mismatches": first}
 
 
-def time_variant(variant: registry.Variant, sets: list[tuple], case: Case, copy_gbs: float, reps: int) -> dict:
+def time_variant(variant: registry.Variant, sets: list[tuple], case, copy_gbs: float, reps: int) -> dict:
     """Device time (events, rotating inputs), graph replay time, GB/s, % of copy; host and wall time if marked."""
 
     def call(s):
-        return variant.run(s[0], s[1], s[2], ftz=True)
+        return variant.run(*s, ftz=True)
 
     t = timing.device_time_us(call, sets, reps=reps)
     row = {"device_us": t["median_us"], "device_q1_us": t["q1_us"], "device_q3_us": t["q3_us"],
@@ -216,41 +153,44 @@ def time_variant(variant: registry.Variant, sets: list[tuple], case: Case, copy_
 def run(ids: list[str] | None = None, case_texts: list[str] | None = None, *, check_only: bool = False,
         out: str | None = "results/experiments.json", sm75: bool = False, reps: int = 100,
         inductor_dir: str | None = None, quiet: bool = False) -> dict:
-    """Check (and on a GPU time) the selected variants; write JSON + CSV when `out`; return the payload."""
+    """Check (and on a GPU time) the selected variants; write JSON + CSV when `out`; return the payload.
+
+    inductor_dir: where v60/v61 save inductor's generated code (default common.ARTIFACT_DIR)."""
+    with common.artifact_dir(inductor_dir):
+        return _run(ids, case_texts, check_only=check_only, out=out, sm75=sm75, reps=reps, quiet=quiet)
+
+
+def _run(ids, case_texts, *, check_only, out, sm75, reps, quiet) -> dict:
     chosen = registry.select(ids)
     gpu = gpu_mode()
-    if inductor_dir:
-        common.ARTIFACT_DIR = inductor_dir
     env = timing.environment()
     device_name = env["device"] if gpu else "cpu (Triton interpreter)"
-    if case_texts:
-        plan = {v.id: [parse_case(c) for c in case_texts] for v in chosen}
-    elif gpu:
-        base, big = [parse_case(c) for c in GPU_CASES], [parse_case(c) for c in GPU_BIG_CASES]
-        plan = {v.id: cases_for(v, base, big) for v in chosen}
-    else:
-        plan = {v.id: [parse_case(c) for c in INTERPRETER_CASES] for v in chosen}
-    cases = list(dict.fromkeys(c for cs in plan.values() for c in cs))
+    plan = {v.id: cases_for(v, gpu, case_texts) for v in chosen}
+    op_of = {v.id: v.op for v in chosen}
+    cases = list(dict.fromkeys((op_of[v], c) for v, cs in plan.items() for c in cs))
+    oracles = {op: ops.get(op).oracle_name(gpu) for op in dict.fromkeys(op_of.values())}
     copy = timing.copy_bandwidth_gbs() if gpu and not check_only else None
     payload = {
         "env": env, "mode": "gpu" if gpu else "interpreter", "device": device_name,
-        "oracle": "bitsandbytes CUDA dequantize_4bit" if gpu else "reference.dequantize_nf4(ftz=True)",
-        "ftz": True, "copy_bandwidth": copy, "cases": [c.text for c in cases], "double_quant": True,
-        "variants": {v.id: {"parent": v.parent, "change": v.change, "exact_expected": v.exact_expected,
+        "oracle": "; ".join(oracles.values()), "oracles": oracles,
+        "ftz": True, "copy_bandwidth": copy, "cases": [c.text for _, c in cases], "double_quant": True,
+        "variants": {v.id: {"op": v.op, "parent": v.parent, "change": v.change, "exact_expected": v.exact_expected,
                             "module": v.module, "teaches": v.teaches, "note": v.note} for v in chosen},
         "rows": [],
     }
     progress = _Progress(sum(len(cs) for cs in plan.values()))
-    for case in cases:
-        todo = [v for v in chosen if case in plan[v.id]]
+    for op_name, case in cases:
+        op = ops.get(op_name)
+        todo = [v for v in chosen if v.op == op_name and case in plan[v.id]]
         copies = timing.rotation_count(case.min_bytes) if gpu and not check_only else 1
-        sets = make_inputs(case, "cuda" if gpu else "cpu", copies)
-        expected = expected_output(sets[0][0], sets[0][1], gpu)
+        sets = op.make_inputs(case, "cuda" if gpu else "cpu", copies)
+        expected = op.oracle(sets, gpu)
         for v in todo:
-            row = {"variant": v.id, "parent": v.parent, "change": v.change, "exact_expected": v.exact_expected,
-                   "case": case.text, "shape": list(case.shape), "dtype": str(case.dtype).removeprefix("torch."),
-                   "blocksize": case.blocksize, "numel": case.numel, "bytes": case.min_bytes, "device": device_name,
-                   "mode": payload["mode"], "ftz": True, "oracle": payload["oracle"], "note": v.note,
+            row = {"variant": v.id, "op": v.op, "parent": v.parent, "change": v.change,
+                   "exact_expected": v.exact_expected, "case": case.text, "shape": list(case.shape),
+                   "dtype": str(case.dtype).removeprefix("torch."), "blocksize": getattr(case, "blocksize", None),
+                   "numel": case.numel, "bytes": case.min_bytes, "device": device_name,
+                   "mode": payload["mode"], "ftz": True, "oracle": oracles[op_name], "note": v.note,
                    **{k: env.get(k) for k in ("torch", "triton", "bitsandbytes", "commit")}}
             row.update(check_variant(v, sets, expected, gpu=gpu))
             if gpu and not check_only and row["status"] == "exact" and v.exact_expected:

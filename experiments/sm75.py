@@ -5,7 +5,7 @@ builds PTX and a cubin with the ptxas bundled with triton, on any machine. What 
 what the variant's own launcher would launch for an 8192x2048 weight (blocksize 64, double
 quantization, ftz=True): the launcher runs on meta tensors inside `experiments.common.recording()`
 and its launch is turned into a signature (pointer dtypes, 16-divisibility, int widths, as Triton's
-JIT specialises them), constexprs and options (num_warps, enable_fp_fusion). nf4.api.launch on
+JIT specialises them), constexprs and options (num_warps, enable_fp_fusion). nf4.dequant.launch on
 meta tensors takes its interpreter branch; ASM and BF16_BITS are given their GPU values.
 
 Per build: registers, stack, static shared and local memory (`cuobjdump -res-usage` on the cubin),

@@ -1,4 +1,4 @@
-"""nf4: one fused Triton kernel that dequantizes bitsandbytes NF4 weights (both levels, one launch).
+"""nf4: bitsandbytes NF4 kernels in Triton, bit-exact with bitsandbytes.
 
     import nf4
     w = nf4.dequantize(linear4bit_module)            # or nf4.dequantize(packed, quant_state)
@@ -6,9 +6,13 @@
 
 Bit-exact with bitsandbytes' `dequantize_4bit` (CUDA) and with `reference.dequantize_nf4`
 (Triton's interpreter on a CPU: set TRITON_INTERPRET=1 before importing triton).
+
+Layout: one folder per op (`dequant/`: kernel, config, API), the device helpers every kernel
+shares (`device.py`), one launch mechanism (`runtime/`), torch.compile registrations (`ops.py`),
+other libraries' call forms (`integrations/`). Importing nf4 loads torch and triton, nothing else.
 """
 
-from .api import dequantize, launch
-from .unsloth import fast_dequantize
+from .dequant import DequantConfig, dequantize, launch
+from .integrations.unsloth import fast_dequantize
 
-__all__ = ["dequantize", "fast_dequantize", "launch"]
+__all__ = ["DequantConfig", "dequantize", "fast_dequantize", "launch"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import launch
+from .dequant.api import launch
 
 
 @torch.library.custom_op("nf4::dequantize_into", mutates_args=("out",))

@@ -2,7 +2,7 @@
 
 Quantization follows bitsandbytes' CPU route: the first level is its pure-torch default backend
 (`quantize_4bit`), the second level its native CPU `quantize_blockwise`; the offset is torch's
-CPU `mean`, replayed by `reference.cpu_numerics`. Dequantization is NF4_FORMAT.md sections 3-4:
+CPU `mean`, replayed by `reference.cpu_numerics`. Dequantization is docs/FORMAT.md §3-§4:
 
     absmax[b] = (code2[absmax_u8[b]] * absmax2[b // 256]) + offset     two float32 roundings
     y[i]      = NF4[nibble(i)] * absmax[i // blocksize]                one float32 rounding

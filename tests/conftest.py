@@ -2,30 +2,25 @@
 
 Without a CUDA device, TRITON_INTERPRET=1 must be in the environment before anything imports
 triton (bitsandbytes does, on import), so it is set here, at the top of the first conftest that
-pytest loads, and decided with torch alone.
+pytest loads, and decided with torch alone. The repository root is importable through pytest's
+`pythonpath` setting (pyproject.toml); tests are grouped in folders per package and op.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the repository root, for a plain `pytest` run
+import copy
+import zlib
+from typing import ClassVar
 
-import copy  # noqa: E402
-import zlib  # noqa: E402
-from typing import ClassVar  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 # --- helpers for the kernel tests (test_nf4_*.py), reached through the `nf4h` fixture ---------
 

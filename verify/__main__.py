@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the CI subset of the case grid")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--out", help="JSON report (default results/verify_<device>.json)")
+    ap.add_argument("--out", help="JSON report (default build/verify_<device>.json, an ignored folder: a run never "
+                                  "replaces the committed results unless --out names them)")
     ap.add_argument("--groups", nargs="+", help="case groups to run (default: all)")
     ap.add_argument("--impls", nargs="+", help="implementations to run (default: all that run on the device)")
     ap.add_argument("--list", action="store_true", help="list the cases and implementations, run nothing")
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as exc:
-        print(f"verify: bitsandbytes is needed for every case ({exc}); see /work/shared/GPU.md", file=sys.stderr)
+        print(f"verify: bitsandbytes is needed for every case ({exc}); pip install bitsandbytes==0.50.2",
+              file=sys.stderr)
         return 2
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if device == "cpu" and not interpreting:
@@ -127,8 +129,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
 
     slug = device_slug() if device == "cuda" else "cpu"
-    out_path = Path(args.out) if args.out else ROOT / "results" / f"verify_{slug}.json"
-    impls_mod.COMPILE_SAVE_DIR[0] = out_path.parent / "inductor"
+    out_path = Path(args.out) if args.out else ROOT / "build" / f"verify_{slug}.json"
+    impls_mod.set_compile_save_dir(out_path.parent / "inductor")
     if args.inductor_trace and device == "cuda":
         import torch._inductor.config as inductor_config
 

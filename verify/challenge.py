@@ -1,4 +1,4 @@
-"""The challenge harness (Unsloth puzzle A, NF4_FORMAT.md section 7): correctness, then timing.
+"""The challenge harness (Unsloth puzzle A, docs/FORMAT.md §8): correctness, then timing.
 
 An MLP of three `bnb.nn.Linear4bit` layers (nf4, compress_statistics=True, quant_storage=uint8,
 compute_dtype=dt), created in float32 and quantized when moved to the GPU, then each
@@ -15,7 +15,7 @@ implementation (each called as the puzzle calls its `fx(layer)`: on `layer.weigh
   device  per weight: median CUDA-event time with rotating inputs, GB/s and % of the copy
           bandwidth measured once per run; host issue time per call
 
-nf4 must be bit-exact to be timed (GPU.md: check before you time); a peer is timed when it passes
+nf4 must be bit-exact to be timed (check before you time); a peer is timed when it passes
 the puzzle's checks, and its bit-exactness is reported beside its times.
 """
 
@@ -360,8 +360,7 @@ def run(*, configs=None, iters: int = 1000, reps: int = 100, include_compile: bo
     if save_dir is not None:
         from . import impls as impls_mod
 
-        if impls_mod.COMPILE_SAVE_DIR[0] is None:
-            impls_mod.COMPILE_SAVE_DIR[0] = save_dir
+        impls_mod.set_compile_save_dir(save_dir, only_if_unset=True)
     impls = implementations(device, include_compile=include_compile, names=names)
     if baseline not in impls:
         raise ValueError(f"baseline {baseline!r} is not among the implementations {list(impls)}")

@@ -91,3 +91,15 @@ def assert_bitexact(actual, expected, *, name: str = "output") -> None:
     result = compare(actual, expected, name=name)
     if not result.ok:
         raise AssertionError(result.detail)
+
+
+def mismatch_count(a, b) -> int:
+    """Number of elements of two torch tensors whose bit patterns differ (a shape or dtype mismatch
+    counts every element); compared on the tensors' device."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.numel(), b.numel())
+    iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return int((a.contiguous().view(iv) != b.contiguous().view(iv)).sum().item())
+

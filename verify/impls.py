@@ -91,24 +91,35 @@ def compile_peer(fp_fusion: bool):
     if peer is None:
         raise_recompile_limits()
         name = "torch.compile" if fp_fusion else "torch.compile.no_fp_fusion"
-        peer = CompilePeer(name, fp_fusion=fp_fusion, save_dir=COMPILE_SAVE_DIR[0])
+        peer = CompilePeer(name, fp_fusion=fp_fusion, save_dir=_compile_save_dir[0])
         _compile_peers[fp_fusion] = peer
     return peer
 
 
-COMPILE_SAVE_DIR: list = [None]  # set by the runner before the first compile (results/inductor)
-COMPILE_LABEL: list = [""]  # the case being run: names the file the generated code is saved to
+_compile_save_dir: list = [None]  # where the compile peers save their generated code (set_compile_save_dir)
+_compile_label: list = [""]  # the case being run: names the file the generated code is saved to
+
+
+def set_compile_save_dir(path, *, only_if_unset: bool = False) -> None:
+    """Where the torch.compile peers save their generated code (before their first compile)."""
+    if not (only_if_unset and _compile_save_dir[0] is not None):
+        _compile_save_dir[0] = path
+
+
+def set_compile_label(label: str) -> None:
+    """Name the file the next compile peer call saves its generated code to (the case id)."""
+    _compile_label[0] = label
 
 
 def _compiled(packed, qs):
     peer = compile_peer(True)
-    peer.label = COMPILE_LABEL[0]
+    peer.label = _compile_label[0]
     return peer(packed, qs)
 
 
 def _compiled_no_fusion(packed, qs):
     peer = compile_peer(False)
-    peer.label = COMPILE_LABEL[0]
+    peer.label = _compile_label[0]
     return peer(packed, qs)
 
 

@@ -113,9 +113,9 @@ DEFECTS: list[KnownDefect] = [
         devices=("cpu",),
         summary="native CPU dequantize_4bit (AVX512 branch) scales element (row, col) by absmax[row * (n // blocksize)"
                 " + (col // 16 * 16) // blocksize] instead of absmax[(row * n + col) // blocksize]",
-        evidence="NF4_FORMAT.md 3-4: element i is scaled by the absmax of block i // blocksize over the flat tensor. "
-                 "csrc/cpu_ops.cpp dequantizeBlockwise4bitCpu views the tensor as [rows, n] and indexes per row with "
-                 "integer divisions; the two agree only when every row holds whole blocks. Shape (64, 64) at "
+        evidence="docs/FORMAT.md §3-§4: element i is scaled by the absmax of block i // blocksize over the flat "
+                 "tensor. csrc/cpu_ops.cpp dequantizeBlockwise4bitCpu views the tensor as [rows, n] and indexes per "
+                 "row with integer divisions; the two agree only when every row holds whole blocks. Shape (64, 64) at "
                  "blocksize 128: element (2, 0) is flat index 128, block 1, but the kernel reads "
                  "absmax[2 * (64 // 128)] = absmax[0]. The output equals that wrong-index product bit for bit "
                  "(deviation index=avx512), and the pure-torch default backend and the CUDA kernels follow the "
@@ -147,7 +147,7 @@ DEFECTS: list[KnownDefect] = [
         devices=("cpu",),
         summary="native CPU dequantize_4bit, AVX512 branch on an AVX512_BF16 CPU: subnormal float32 products become "
                 "bf16 zero (vcvtneps2bf16 treats subnormal inputs as zero) instead of rounding to nearest even",
-        evidence="NF4_FORMAT.md 4: one float32 product, then round-to-nearest-even to the output dtype; 1e-39 "
+        evidence="docs/FORMAT.md §4: one float32 product, then round-to-nearest-even to the output dtype; 1e-39 "
                  "(0x000AE398) rounds to bf16 0x000B, as torch's .to(bfloat16), the default backend and the C++ "
                  "scalar branch give. The AVX512 loop of libbitsandbytes_cpu.so tests has_avx512bf16() and runs "
                  "vcvtneps2bf16. Recognised when the output equals the IEEE product flushed at the bf16 conversion "
@@ -167,7 +167,7 @@ DEFECTS: list[KnownDefect] = [
                 "allocates (n + 1) // (2 * itemsize) elements, one byte short (e.g. (9, 41, 341) in bf16 storage: "
                 "62914 bytes for 62915), and its dequantize then reads past the end",
         evidence="backends/cuda/ops.py quantize_4bit: torch.empty(((n + 1) // (quant_storage.itemsize * 2), 1)); the "
-                 "format needs (n + 1) // 2 bytes (NF4_FORMAT.md 2). The CPU route cannot view an odd byte count as "
+                 "format needs (n + 1) // 2 bytes (docs/FORMAT.md §2). The CPU route cannot view an odd byte count as "
                  "bf16 at all (RuntimeError), so on a CPU the case is built in the CUDA layout. nf4.dequantize must "
                  "reject it (ValueError naming the byte counts); the reference rejects it too; the other "
                  "implementations' outcomes are recorded, not judged: the input is not a valid NF4 tensor.",
@@ -184,7 +184,7 @@ DEFECTS: list[KnownDefect] = [
         summary="Triton's interpreter converts float32 to bfloat16 by truncation (no rounding), so a kernel that "
                 "stores float32 into a bf16 pointer differs from the compiled kernel by up to 1 ulp toward zero",
         evidence="triton/runtime/interpreter.py: cast_impl -> _convert_float(..., rounding_mode=None), which shifts "
-                 "the significand right without rounding. NF4_FORMAT.md 4 asks for round-to-nearest-even (what the "
+                 "the significand right without rounding. docs/FORMAT.md §4 asks for round-to-nearest-even (what the "
                  "compiled cvt.rn.bf16.f32 does). Recognised when the output equals the format's float32 products "
                  "converted by the interpreter's routine (deviation convert_mode=interpreter; for normal numbers "
                  "that is bits >> 16, checked in tests). nf4 rounds with integer ops under the interpreter, so it "
@@ -200,8 +200,8 @@ DEFECTS: list[KnownDefect] = [
         devices=("cuda",),
         summary="inductor compiles its Triton kernels with enable_fp_fusion=True (unless emulate_precision_casts), so "
                 "code2 * absmax2 + offset becomes one FMA: one rounding instead of two",
-        evidence="NF4_FORMAT.md 3 and 5: absmax = (code2[u8] * absmax2) + offset with two float32 roundings. torch "
-                 "2.13 _inductor/codegen/triton.py triton_meta_common: 'enable_fp_fusion': not "
+        evidence="docs/FORMAT.md §3 and §5.1: absmax = (code2[u8] * absmax2) + offset with two float32 roundings. "
+                 "torch 2.13 _inductor/codegen/triton.py triton_meta_common: 'enable_fp_fusion': not "
                  "config.emulate_precision_casts. Recognised when the output equals the format with the absmax "
                  "recovered by a correctly rounded fma (deviation absmax=fma); the generated kernel is saved under "
                  "results/inductor/.",
@@ -217,7 +217,7 @@ DEFECTS: list[KnownDefect] = [
         devices=("cuda",),
         summary="implementations that multiply with IEEE float32 on CUDA keep subnormal products that bitsandbytes' "
                 "CUDA build (fast math) flushes to zero; only crafted absmax near 1e-38 reaches this",
-        evidence="NF4_FORMAT.md 5 (subnormals): the CUDA oracle flushes, so the expected output is the reference with "
+        evidence="docs/FORMAT.md §5.2: the CUDA oracle flushes, so the expected output is the reference with "
                  "ftz=True. torch's CUDA ops and Triton's plain multiply do not flush. The default backend and "
                  "bitsandbytes' Triton kernel take the absmax from bitsandbytes' CUDA dequantize_blockwise (flushed) "
                  "and multiply in IEEE (deviation product=ieee); the torch.compile peers compute everything in IEEE "

@@ -148,7 +148,7 @@ def run_case(case: Case, names: list[str], device: str, *, compile_all: bool = F
             cells.append(_cell(name, case, "skip", note="not in the torch.compile subset (--compile-all)"))
         else:
             if impl.compile_subset:
-                impls_mod.COMPILE_LABEL[0] = case.id
+                impls_mod.set_compile_label(case.id)
             outputs[name], seconds[name] = _run_one(impl, built)
             if isinstance(outputs[name], Exception) and device == "cuda" and cuda_context_lost(outputs[name]):
                 lost = f"{name} on {case.id}: {outputs[name]}"[:300]

@@ -80,7 +80,7 @@ def _bnb_lib():
 
 
 def unsloth_fast_dequantize(W, quant_state, out=None, use_global_buffer=False):
-    """Unsloth's `fast_dequantize` as NF4_FORMAT.md section 6 describes it (CUDA only).
+    """Unsloth's legacy three-launch `fast_dequantize`, as docs/FORMAT.md §7 describes it (CUDA only).
 
     Three launches, two allocations: bitsandbytes' 8-bit blockwise kernel recovers the absmax
     into a float32 buffer, a torch op adds the offset, bitsandbytes' NF4 kernel writes the

@@ -1,16 +1,15 @@
 """`nf4.dequantize`: the public entry point, a drop-in for bitsandbytes' and Unsloth's dequantize.
 
 The call path is kept short: inputs are checked, the output is allocated, and a compiled kernel
-cached for this configuration is launched directly (Triton's JIT dispatch costs more host time
-than the whole kernel on small weights); a repeat call with the same weight skips the checks too
-(`_Plan`). No device-to-host synchronisation happens per call: the
-offset is read by the kernel from device memory.
+cached for this configuration is launched directly (nf4.runtime: Triton's JIT dispatch costs more
+host time than the whole kernel on small weights); a repeat call with the same weight skips the
+checks too (`_Plan`, holding a launch bound by nf4.runtime). No device-to-host synchronisation
+happens per call: the offset is read by the kernel from device memory.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import weakref
 
 import numpy as np
@@ -19,58 +18,38 @@ import triton
 
 from reference.format import ABSMAX_BLOCKSIZE, BLOCKSIZES, NF4_CODE
 
+from .. import runtime
+from .config import DequantConfig, tuned
 from .kernel import nf4_dequantize_kernel
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PACKED_DTYPES = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32)
 _INT32_LIMIT = 2**31 - 1
 
-# Tuned on an H200 (results/tuning/h200_sweep_rows_layout.json, results/tuning/h200_lab_*.json):
-# packed bytes per program and warps. Both give each thread two 32-bit words; programs of 4 warps
-# ran faster on weights whose output is at most SMALL_OUT_BYTES (the challenge's 8192x2048 and
-# 4096x1024), programs of 2 warps slightly faster on larger ones.
-TILE_BYTES, NUM_WARPS = 512, 2
-TILE_BYTES_SMALL, NUM_WARPS_SMALL = 1024, 4
-SMALL_OUT_BYTES = 48 << 20
-CODEBOOK = 0  # 0: table gather, 1: select tree
-EVICT_STREAM = "evict_first"
-STORE_CM = ".cs"  # streaming stores: the output is not read back by this kernel
-BF16_BITS = False  # on the GPU: native cvt.rn.bf16.f32; the interpreter always rounds with integer ops
-# Word path with a fixed grid of PROGRAMS_PER_SM programs per multiprocessor striding over the tiles
-# (0: one program per tile). The interpreter uses INTERPRET_PROGRAMS programs instead.
-PROGRAMS_PER_SM = 0
-INTERPRET_PROGRAMS = 3
-
 _code_cache: dict[tuple, torch.Tensor] = {}
 _dummy_cache: dict[torch.device, torch.Tensor] = {}
-_compiled: dict[tuple, object] = {}
 _plans: dict[int, _Plan] = {}
-_sm_counts: dict[int, int] = {}
+_device_names: dict[int, str] = {}
 
 
 class _Plan:
-    """A validated (packed, quant_state) with its compiled kernel, for the fast repeat call.
+    """A validated (packed, quant_state) with its bound launch, for the fast repeat call.
 
     Holds the exact objects it validated; a later call reuses it only if the caller passes the
     same packed tensor and the quant_state still holds the same tensors, shape, dtype and
     blocksize. Then a call costs one allocation and one launch, skipping the Python-level checks
-    and Triton's JIT dispatch: through nf4's own launch function (nf4/native.py: the arguments bound
-    once, one cuLaunchKernel) where it applies, else through Triton's C launch function with raw
-    pointers and the raw CUDA stream.
+    and Triton's JIT dispatch (`bound`: nf4.runtime.bind, rebinding the output pointer).
     """
 
     __slots__ = (
         "absmax",
-        "args_post",
         "blocksize",
+        "bound",
         "compiled",
+        "config",
         "device_index",
         "dtype",
         "grid_x",
-        "head",
-        "launch",
-        "native",
-        "native_launch",
         "offset",
         "out_ptr",
         "out_ref",
@@ -103,51 +82,23 @@ class _Plan:
             out = self.template.new_empty(self.shape)  # cheaper to call than torch.empty(shape, dtype=, device=)
         if out_ptr is None:
             out_ptr = out.data_ptr()
-        if self.native is not None:
-            self.native_launch(self.native, out_ptr, _raw_stream(self.device_index))
-        else:
-            self.launch(self.grid_x, 1, 1, _raw_stream(self.device_index), *self.head, out_ptr, *self.args_post)
+        bound = self.bound
+        bound.fn(bound.ctx, _raw_stream(self.device_index), out_ptr)
         return out.t() if self.transpose else out
 
 
-# Triton versions whose C launch function this module calls directly, skipping the Python wrapper
-# `CompiledKernel.run` (its argument convention changes between releases, so each version is
-# listed only after tests/test_nf4_gpu.py passed with it on a GPU). Others use the wrapper.
-DIRECT_LAUNCH_VERSIONS = ("3.6",)
-DIRECT_LAUNCH = True
-# On those versions a plan launches through nf4's own C function (nf4/native.py: the arguments bound
-# once, one cuLaunchKernel per call) when its parameter layout matches the kernel's PTX.
-NATIVE_LAUNCH = True
-
-
-def _launch_head(compiled) -> tuple:
-    """(callable, the launch arguments between the stream and the kernel's own arguments)."""
-    run = compiled.run
-    fn = getattr(run, "launch", None)
-    if (DIRECT_LAUNCH and fn is not None and ".".join(triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_VERSIONS
-            and not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1)):
-        # Triton 3.6: launch(gridX, gridY, gridZ, stream, function, cooperative, pdl, global_scratch,
-        #                    profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)
-        return fn, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                    compiled.packed_metadata, None, None, None)
-    # CompiledKernel.run(gridX, gridY, gridZ, stream, function, packed_metadata, launch_metadata,
-    #                    enter_hook, exit_hook, *args)
-    return run, (compiled.function, compiled.packed_metadata, None, None, None)
-
-
-def _hooks_active() -> bool:
-    """Whether a launch hook (a profiler) is installed; Triton 3.6+ keeps them in (possibly empty) chains."""
-    from triton import knobs
-
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
-
-
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
-# The current CUDA stream of a device as an int (absent from CPU-only builds, where no plan exists).
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_raw_stream = runtime.raw_stream
+
+
+def cached_plan(quant_state) -> _Plan | None:
+    """The plan kept for `quant_state`, or None (an internal hook for tests and the probe)."""
+    return _plans.get(id(quant_state))
+
+
+def forget_plan(quant_state) -> None:
+    """Drop the plan kept for `quant_state`; the next call takes the full path (tests and the probe)."""
+    _plans.pop(id(quant_state), None)
 
 
 def _no_out() -> None:
@@ -155,17 +106,19 @@ def _no_out() -> None:
     return None
 
 
-def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) -> None:
+def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, config, fresh_out=True, asked=None) -> None:
     """Remember a validated call so the next identical one can skip straight to the launcher."""
-    if _hooks_active():
+    if runtime.hooks_active():
         return  # profiling hooks want the full path
+    out = args["out_ptr"]
     old = _plans.get(id(qs))
-    if (old is not None and old.compiled is compiled and old.grid_x == grid_x and old.matches(packed, qs)
+    if (old is not None and old.compiled is compiled and old.grid_x == grid_x and old.config is asked
+            and old.matches(packed, qs)
             and (old.out_ref is _no_out if fresh_out
-                 else old.out_ref() is args[6] and old.out_ptr == args[6].data_ptr())):
+                 else old.out_ref() is out and old.out_ptr == out.data_ptr())):
         return  # the same plan again (a caller that passes ftz or out on every call)
     plan = _Plan()
-    plan.compiled = compiled
+    plan.compiled, plan.config = compiled, asked  # asked: the config the caller passed (None: tuned)
     plan.packed, plan.absmax, plan.shape, plan.dtype = packed, qs.absmax, qs.shape, qs.dtype
     plan.state2 = getattr(qs, "state2", None) if getattr(qs, "nested", False) else None
     plan.offset = getattr(qs, "offset", None) if plan.state2 is not None else None
@@ -177,17 +130,8 @@ def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) ->
     plan.template = torch.empty(0, dtype=out_dtype, device=packed.device)
     plan.transpose = packed.shape[0] == 1
     plan.grid_x, plan.blocksize = grid_x, qs.blocksize
-    plan.launch, head = _launch_head(compiled)
-    plan.head = head + tuple(a.data_ptr() for a in args[:6])
-    plan.native = plan.native_launch = None
-    if NATIVE_LAUNCH and plan.launch is not compiled.run:  # only where the direct launch is used
-        from . import native
-
-        plan.native = native.bind(compiled, args, grid_x, plan.device_index)
-        if plan.native is not None:
-            plan.native_launch = native.module().launch
-    plan.args_post = args[7:]
-    out = args[6]
+    plan.bound = runtime.bind(compiled, nf4_dequantize_kernel, (grid_x,), args, ("out_ptr",), plan.device_index,
+                              native=config.native_launch, direct=config.direct_launch)
     # An `out` the caller passed was checked: remember it (weakly) so reusing it stays on the fast path.
     plan.out_ref = weakref.ref(out) if not fresh_out else _no_out
     plan.out_ptr = out.data_ptr()
@@ -197,11 +141,7 @@ def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, fresh_out=True) ->
     _plans[key] = plan
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _code_table(device: torch.device, codebook: int = 0) -> torch.Tensor:
+def code_table(device: torch.device, codebook: int = 0) -> torch.Tensor:
     """The NF4 levels on `device`: 16 float32, or (codebook 2) 256 pairs packed as uint64 words.
 
     Pair b holds the float32 bits of NF4[b >> 4] (low half) and NF4[b & 15] (high half).
@@ -319,81 +259,71 @@ def _check_out(out: torch.Tensor, shape, out_dtype, device):
         raise ValueError("out must be contiguous")
 
 
-def _sm_count(device: torch.device) -> int:
-    count = _sm_counts.get(device.index)
-    if count is None:
-        count = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return count
+def _device_name(device: torch.device) -> str:
+    name = _device_names.get(device.index)
+    if name is None:
+        name = _device_names[device.index] = torch.cuda.get_device_name(device)
+    return name
 
 
-def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz,
-           *, tile_bytes=None, num_warps=None, codebook=None, evict_stream=None, store_cm=None, fp_fusion=False,
-           programs_per_sm=None, plan_for=None):
+def tuned_config(device: torch.device, out_bytes: int) -> DequantConfig:
+    """The tuned table's config for an output of `out_bytes` bytes on `device` (the default of `launch`)."""
+    return tuned(_device_name(device) if not runtime.interpreting(device) else "", out_bytes)
+
+
+def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, *,
+           config: DequantConfig | None = None, plan_for=None):
     """Launch the fused kernel on prepared tensors (no checks). Returns `out`.
 
-    The keyword arguments exist for the experiments: meta-parameters, and `fp_fusion=True`, which
-    lets the compiler contract multiply-adds into FMAs (not bit-exact; never used by `dequantize`).
+    config: the meta-parameters (default: the tuned table's choice for this device and size).
+    `DequantConfig(fp_fusion=True)` lets the compiler contract multiply-adds into FMAs (not
+    bit-exact; never used by `dequantize`). plan_for: (packed, quant_state, fresh_out) to remember
+    this launch for the fast repeat call.
     """
-    small = n * out.element_size() <= SMALL_OUT_BYTES
-    if tile_bytes is None:
-        tile_bytes = TILE_BYTES_SMALL if small else TILE_BYTES
-    if num_warps is None:
-        num_warps = NUM_WARPS_SMALL if small else NUM_WARPS
-    codebook = CODEBOOK if codebook is None else codebook
-    evict_stream = EVICT_STREAM if evict_stream is None else evict_stream
-    store_cm = STORE_CM if store_cm is None else store_cm
-    programs_per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-    n_bytes = (n + 1) // 2
     device = packed.device
-    interpreting = device.type != "cuda" or _interpreting()
+    interpreting = runtime.interpreting(device)
+    asked = config
+    if config is None:
+        config = tuned_config(device, n * out.element_size())
+    tile_bytes, num_warps = config.tile_bytes, config.num_warps
+    persist = bool(config.programs_per_sm)
+    n_bytes = (n + 1) // 2
     vec = packed.data_ptr() % 4 == 0
     if vec:
         tile = max(1, tile_bytes // 4)  # words per program
         # Only words whose 8 weights all exist: with odd n the last byte's low nibble is padding,
         # and a word holding it would write out[n].
         n_words = n // 8
-        if programs_per_sm:
-            programs = INTERPRET_PROGRAMS if interpreting else programs_per_sm * _sm_count(device)
-            grid = (max(1, min(programs, triton.cdiv(n_words, tile))), 1, 1)
+        if persist:
+            programs = config.interpret_programs if interpreting else config.programs_per_sm * runtime.sm_count(device)
+            grid = (max(1, min(programs, triton.cdiv(n_words, tile))),)
         else:
-            grid = (triton.cdiv(n_words, tile) + (1 if n % 8 else 0), 1, 1)
+            grid = (triton.cdiv(n_words, tile) + (1 if n % 8 else 0),)
     else:
         tile = max(1, tile_bytes)  # bytes per program
         n_words = 0
-        grid = (triton.cdiv(n_bytes, tile), 1, 1)
+        grid = (triton.cdiv(n_bytes, tile),)
     index_64 = n + tile_bytes * 2 + 64 > _INT32_LIMIT
     if absmax2 is None:
         absmax2 = code2 = offset = _dummy(device)
-    code = _code_table(device, codebook)
-    asm = ftz and not interpreting
-    bf16_bits = interpreting or BF16_BITS
-    row = min(tile, 32 * num_warps)  # words per row of the word tile: one per thread
-    args = (packed, absmax, absmax2, code2, offset, code, out, n, n_bytes, n_words,
-            blocksize, tile, row, nested, ftz, asm, codebook, vec, index_64, evict_stream, bf16_bits, store_cm,
-            bool(programs_per_sm) and vec)
-    if interpreting:
-        nf4_dequantize_kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=fp_fusion)
-        return out
-    # The key holds every property Triton specialises on, so a cached binary is always valid.
-    key = (device.index, packed.dtype, absmax.dtype, out.dtype, blocksize, tile, nested, ftz, codebook, vec, index_64,
-           evict_stream, bf16_bits, store_cm, bool(programs_per_sm) and vec, num_warps, fp_fusion,
-           n % 16 == 0, n == 1, n > _INT32_LIMIT, n_bytes % 16 == 0, n_bytes == 1, n_bytes > _INT32_LIMIT,
-           packed.data_ptr() % 16 == 0,
-           absmax.data_ptr() % 16 == 0, absmax2.data_ptr() % 16 == 0,
-           code2.data_ptr() % 16 == 0, offset.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
-    compiled = _compiled.get(key)
-    if compiled is None:
-        compiled = nf4_dequantize_kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=fp_fusion)
-        _compiled[key] = compiled
-    else:
-        compiled[grid](*args)
-    if plan_for is not None and not fp_fusion:
-        _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], out.dtype, plan_for[2])
+    args = {
+        "packed_ptr": packed, "absmax_ptr": absmax, "absmax2_ptr": absmax2, "code2_ptr": code2,
+        "offset_ptr": offset, "code_ptr": code_table(device, config.codebook), "out_ptr": out,
+        "n": n, "n_bytes": n_bytes, "n_words": n_words,
+        "BLOCKSIZE": blocksize, "TILE": tile, "ROW": min(tile, 32 * num_warps),  # words per row: one per thread
+        "DOUBLE_QUANT": nested, "FTZ": ftz, "ASM": ftz and not interpreting, "CODEBOOK": config.codebook,
+        "VEC": vec, "INDEX_64": index_64, "EVICT_STREAM": config.evict_stream,
+        "BF16_BITS": interpreting or config.bf16_bits, "STORE_CM": config.store_cm, "PERSIST": persist and vec,
+    }  # fmt: skip
+    compiled = runtime.launch(nf4_dequantize_kernel, grid, args, device=device, num_warps=num_warps,
+                              enable_fp_fusion=config.fp_fusion)
+    if plan_for is not None and compiled is not None and not config.fp_fusion:
+        _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], out.dtype, config, plan_for[2], asked)
     return out
 
 
 def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-               ftz: bool | None = None) -> torch.Tensor:
+               ftz: bool | None = None, config: DequantConfig | None = None) -> torch.Tensor:
     """Dequantize an NF4 weight (double-quantized or not) with one fused Triton kernel.
 
     weight: a `bnb.nn.Linear4bit`, a `Params4bit`, or the packed tensor (any quant_storage).
@@ -403,13 +333,14 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
     ftz: flush subnormal float32 operands and products to zero. Default: on for CUDA tensors,
     matching bitsandbytes' CUDA build; off on CPU (interpreter), matching its CPU routes and
     the reference's default.
+    config: meta-parameters (`nf4.DequantConfig`); default: the tuned table's choice.
     Returns the weight in `quant_state.shape`, or its transpose when the packed tensor's
     `shape[0] == 1` (as bitsandbytes and Unsloth do). Inputs are never modified.
     """
     # Plans exist only for CUDA tensors with ftz on (the CUDA default), so an explicit ftz=True may use one.
     if dtype is None and (ftz is None or ftz is True) and quant_state is not None and not torch.compiler.is_compiling():
         plan = _plans.get(id(quant_state))
-        if plan is not None and plan.matches(weight, quant_state):
+        if plan is not None and plan.config is config and plan.matches(weight, quant_state):
             if out is None:
                 return plan.run()
             if plan.out_ref() is out and out.shape == plan.shape:
@@ -427,13 +358,13 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
     else:
         _check_out(out, shape, out_dtype, device)
     if torch.compiler.is_compiling():
-        from .ops import dequantize_op
+        from ..ops import dequantize_op
 
-        out = dequantize_op(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)
+        out = dequantize_op(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)  # tuned config
     else:
         plan_for = (packed, qs, fresh_out) if (quant_state is not None and dtype is None
                                                and ftz == (device.type == "cuda")) else None
-        launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, plan_for=plan_for)
+        launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, config=config, plan_for=plan_for)
     if packed.shape[0] == 1:
         return out.t()
     return out

@@ -3,7 +3,7 @@
 Work is cut into 32-bit words of packed bytes = 8 weights. A word never straddles an absmax
 block (block sizes are multiples of 32), so each word needs one absmax:
 
-    absmax[b] = (code2[absmax_u8[b]] * absmax2[b // 256]) + offset    (two float32 roundings)
+    absmax[b] = (code2[absmax_u8[b]] * absmax2[b // ABSMAX_BLOCKSIZE]) + offset    (two float32 roundings)
     out[i]    = round(NF4[nibble(i)] * absmax[i // BLOCKSIZE])         (one float32 product)
 
 Each thread expands a word into its 8 nibbles (element 2k is the HIGH nibble of byte k) and writes
@@ -15,12 +15,13 @@ a row apart (see _words), and each is loaded on its own, so no word moves throug
 between the load and the store. Weights past the last whole word (fewer than 8) and packed
 tensors that are not 4-byte aligned take a byte-wise path.
 
-Exactness: the default GPU path multiplies with PTX `mul.rn.ftz.f32` (inline asm), which the
-compiler cannot fuse with the following add, and flushes like bitsandbytes' fast-math CUDA build.
-The IEEE path (ftz=False, and the interpreter) uses plain Triton multiplies and depends on the
-compile option `enable_fp_fusion=False`, which the launcher always passes: with contraction on,
-`code2 * absmax2 + offset` becomes one FMA and rounds once, and some outputs change by one ulp
-(counted on the GPU by experiments v41 and tests/test_nf4_gpu.py).
+Exactness: the arithmetic is nf4.device's (docs/FORMAT.md §3-5). The default GPU path multiplies
+with PTX `mul.rn.ftz.f32`, which the compiler cannot fuse with the following add, and flushes like
+bitsandbytes' fast-math CUDA build. The IEEE path (ftz=False, and the interpreter) uses plain
+Triton multiplies and depends on the compile option `enable_fp_fusion=False`, which the launcher
+passes unless a config asks otherwise: with contraction on, `code2 * absmax2 + offset` becomes one
+FMA and rounds once, and some outputs change by one ulp (counted on the GPU by experiment v40
+and tests/nf4/dequant/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -28,116 +29,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from reference.format import NF4_CODE
-
-# The 16 levels as Python floats for the select-tree codebook (exact: float32 -> float64 -> float32).
-_C = [float(v) for v in NF4_CODE]
-FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # smallest normal float32 (constexpr: jit code reads it)
-
-
-@triton.jit
-def _flush(x, FTZ: tl.constexpr):
-    """Flush float32 subnormals to a zero of the same sign when FTZ, else return x unchanged."""
-    if FTZ:
-        x = tl.where(tl.abs(x) < FLT_MIN, x * 0.0, x)
-    return x
-
-
-@triton.jit
-def _to_bf16_rne(y):
-    """float32 -> bfloat16, round to nearest even, with integer ops (quiets NaNs, keeps -0.0).
-
-    Triton's interpreter truncates float32 -> bfloat16 (and its "rtne" mode rounds ties up), so
-    the interpreter takes this path to stay bit-exact; the GPU uses the native conversion unless
-    BF16_BITS is set.
-    """
-    bits = y.to(tl.uint32, bitcast=True)
-    lsb = (bits >> 16) & 1
-    rounded = (bits + 0x7FFF + lsb) >> 16
-    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    rounded = tl.where(is_nan, (bits >> 16) | 0x40, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _nf4_level(nib, code_ptr, CODEBOOK: tl.constexpr):
-    """Float32 NF4 level of each 4-bit code: a gather from the 16-entry table, or a select tree."""
-    if CODEBOOK == 0:
-        v = tl.load(code_ptr + nib, eviction_policy="evict_last")
-    else:
-        b0 = (nib & 1) != 0
-        b1 = (nib & 2) != 0
-        b2 = (nib & 4) != 0
-        b3 = (nib & 8) != 0
-        v01 = tl.where(b0, -0.6961928009986877, -1.0)
-        v23 = tl.where(b0, -0.39491748809814453, -0.5250730514526367)
-        v45 = tl.where(b0, -0.18477343022823334, -0.28444138169288635)
-        v67 = tl.where(b0, 0.0, -0.09105003625154495)
-        v89 = tl.where(b0, 0.16093020141124725, 0.07958029955625534)
-        vab = tl.where(b0, 0.33791524171829224, 0.24611230194568634)
-        vcd = tl.where(b0, 0.5626170039176941, 0.44070982933044434)
-        vef = tl.where(b0, 1.0, 0.7229568362236023)
-        v03 = tl.where(b1, v23, v01)
-        v47 = tl.where(b1, v67, v45)
-        v8b = tl.where(b1, vab, v89)
-        vcf = tl.where(b1, vef, vcd)
-        v07 = tl.where(b2, v47, v03)
-        v8f = tl.where(b2, vcf, v8b)
-        v = tl.where(b3, v8f, v07).to(tl.float32)
-    return v
-
-
-@triton.jit
-def _mul(a, b, FTZ: tl.constexpr, ASM: tl.constexpr):
-    """float32 a * b, rounded once; with FTZ, subnormal operands and results become signed zeros.
-
-    ASM: use PTX `mul.rn.ftz.f32`, which flushes in the multiplier itself (one instruction);
-    otherwise (Triton's interpreter has no PTX) flush with compares and selects.
-    """
-    if FTZ and ASM:
-        return tl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    elif FTZ:
-        return _flush(_flush(a, True) * _flush(b, True), True)
-    else:
-        return a * b
-
-
-@triton.jit
-def _store_out(out_ptr, idx, y, mask, BF16_BITS: tl.constexpr, STORE_CM: tl.constexpr):
-    """Round float32 to the output dtype (RNE) and store (STORE_CM: PTX cache modifier, e.g. ".cs")."""
-    if BF16_BITS and out_ptr.dtype.element_ty == tl.bfloat16:
-        y_out = _to_bf16_rne(y)
-    else:
-        y_out = y.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + idx, y_out, mask=mask, cache_modifier=STORE_CM)
-
-
-@triton.jit
-def _absmax_of_block(blk, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                     DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr):
-    """The float32 absmax of blocks `blk`: stored, or code2[u8] * absmax2[blk // 256] + offset."""
-    if DOUBLE_QUANT:
-        q = tl.load(absmax_ptr + blk, mask=ok, other=0)
-        level = tl.load(code2_ptr + q.to(tl.int32), mask=ok, other=0.0, eviction_policy="evict_last")
-        scale2 = tl.load(absmax2_ptr + blk // 256, mask=ok, other=0.0, eviction_policy="evict_last")
-        # Two roundings: a product, then a separate IEEE add (bitsandbytes adds the offset with a
-        # torch op, outside its fast-math kernel). enable_fp_fusion=False keeps them apart.
-        absmax = _mul(level, scale2, FTZ, ASM) + tl.load(offset_ptr)
-    else:
-        absmax = tl.load(absmax_ptr + blk, mask=ok, other=0.0)
-    return absmax
+from nf4.device import absmax_of_block, high_nibble, low_nibble, mul, nf4_level, store_rounded, word_nibble_shift
 
 
 @triton.jit
 def _expand_word(word, absmax, code_ptr, FIRST: tl.constexpr, COUNT: tl.constexpr, CODEBOOK: tl.constexpr,
                  FTZ: tl.constexpr, ASM: tl.constexpr):
     """[R, C] uint32 words (4 packed bytes) -> [R, C, COUNT] float32 weights FIRST.. of each word's 8."""
-    k = FIRST + tl.arange(0, COUNT)
-    # Little-endian: byte j of the word is bits 8j..8j+7; element 2j is its high nibble.
-    shift = ((k // 2) * 8 + 4 - (k % 2) * 4).to(tl.uint32)
+    shift = word_nibble_shift(FIRST + tl.arange(0, COUNT))
     nib = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.int32)
-    return _mul(_nf4_level(nib, code_ptr, CODEBOOK), absmax[:, :, None], FTZ, ASM)
+    return mul(nf4_level(nib, code_ptr, CODEBOOK), absmax[:, :, None], FTZ, ASM)
 
 
 @triton.jit
@@ -154,7 +55,7 @@ def _expand_word_pairs(word, absmax, pair_ptr, FIRST: tl.constexpr, COUNT: tl.co
     hi = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
     lo = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
     levels = tl.reshape(tl.join(hi, lo), (word.shape[0], word.shape[1], COUNT))
-    return _mul(levels, absmax[:, :, None], FTZ, ASM)
+    return mul(levels, absmax[:, :, None], FTZ, ASM)
 
 
 @triton.jit
@@ -178,7 +79,7 @@ def _store_part(out_ptr, base, word, absmax, code_ptr, m, FIRST: tl.constexpr, C
         y = _expand_word_pairs(word, absmax, pair_ptr, FIRST, COUNT, FTZ, ASM)
     else:
         y = _expand_word(word, absmax, code_ptr, FIRST, COUNT, CODEBOOK, FTZ, ASM)
-    _store_out(out_ptr, base + FIRST + tl.arange(0, COUNT)[None, None, :], y, m, BF16_BITS, STORE_CM)
+    store_rounded(out_ptr, base + FIRST + tl.arange(0, COUNT)[None, None, :], y, m, BF16_BITS, STORE_CM, "")
 
 
 @triton.jit
@@ -199,7 +100,7 @@ def _words(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
     wc = tl.minimum(w, n_words - 1)
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     word = tl.load(words_ptr + wc, eviction_policy=EVICT_STREAM)
-    absmax = _absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+    absmax = absmax_of_block(wc // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                               DOUBLE_QUANT, FTZ, ASM)
     _store_word(out_ptr, w[:, :, None] * 8, word, absmax, code_ptr, ok[:, :, None], CODEBOOK, FTZ, ASM, BF16_BITS,
                 STORE_CM)
@@ -212,13 +113,13 @@ def _bytes(packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
     """Bytes b read one by one, masked to n_bytes / n: the tail, and packed tensors not 4-byte aligned."""
     ok = b < n_bytes
     byte = tl.load(packed_ptr + b, mask=ok, other=0)
-    absmax = _absmax_of_block((b * 2) // BLOCKSIZE, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                              DOUBLE_QUANT, FTZ, ASM)
-    hi = _mul(_nf4_level((byte >> 4).to(tl.int32), code_ptr, CODEBOOK), absmax, FTZ, ASM)
-    lo = _mul(_nf4_level((byte & 0xF).to(tl.int32), code_ptr, CODEBOOK), absmax, FTZ, ASM)
+    absmax = absmax_of_block((b * 2) // BLOCKSIZE, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                             DOUBLE_QUANT, FTZ, ASM)
+    hi = mul(nf4_level(high_nibble(byte), code_ptr, CODEBOOK), absmax, FTZ, ASM)
+    lo = mul(nf4_level(low_nibble(byte), code_ptr, CODEBOOK), absmax, FTZ, ASM)
     y = tl.interleave(hi, lo)  # element 2k = high nibble of byte k
     idx = tl.interleave(b * 2, b * 2 + 1)
-    _store_out(out_ptr, idx, y, idx < n, BF16_BITS, "")
+    store_rounded(out_ptr, idx, y, idx < n, BF16_BITS, "", "")
 
 
 @triton.jit(do_not_specialize=["n_words"])
@@ -226,7 +127,7 @@ def nf4_dequantize_kernel(
     # pointers
     packed_ptr,  # packed NF4 bytes, any storage dtype (read as uint8 / uint32)
     absmax_ptr,  # uint8 [n_blocks] when DOUBLE_QUANT, else float32 [n_blocks]
-    absmax2_ptr,  # float32 [cdiv(n_blocks, 256)] (unused without DOUBLE_QUANT)
+    absmax2_ptr,  # float32 [cdiv(n_blocks, ABSMAX_BLOCKSIZE)] (unused without DOUBLE_QUANT)
     code2_ptr,  # float32 [256] second-level map (unused without DOUBLE_QUANT)
     offset_ptr,  # float32 [1] offset (unused without DOUBLE_QUANT)
     code_ptr,  # float32 [16] NF4 levels; with CODEBOOK == 2 followed by the 256 level pairs

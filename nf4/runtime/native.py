@@ -1,21 +1,22 @@
 """nf4's own launch function for the repeat call: one `cuLaunchKernel` with the arguments bound once.
 
-Triton's C launch function takes every kernel argument again on each call (constexprs included, 23
-for this kernel), converts them, and launches through `cuLaunchKernelEx`. Between two calls of a
-plan only the output pointer and the stream can change, so `bind` copies the other arguments once
-into a C struct and `launch(bound, out_ptr, stream)` stores the output pointer into its slot and
-calls `cuLaunchKernel`.
+Triton's C launch function takes every kernel argument again on each call (constexprs included),
+converts them, and launches through `cuLaunchKernelEx`. Between two calls of a bound launch only
+a few pointer slots (named when binding, e.g. the output) and the stream change, so `bind` copies
+the other arguments once into a C struct and `launch(bound, stream, *pointers)` stores the
+pointers into their slots and calls `cuLaunchKernel`.
 
 The C source is compiled on first use with Triton's own build helper, with the compiler, CUDA
 header and libcuda that Triton's launchers use (no new dependency). `layout` reproduces the
-parameter list of Triton's launcher for the releases in `nf4.api.DIRECT_LAUNCH_VERSIONS`: the
+parameter list of Triton's launcher for the releases in `nf4.runtime.DIRECT_LAUNCH_VERSIONS`: the
 non-constexpr arguments in order, then two scratch pointers. It is checked against the kernel's
-PTX entry before a plan uses it; on any mismatch, or where the module cannot be built, the plan
-keeps Triton's C launch function.
+PTX entry before a launch is bound; on any mismatch, or where the module cannot be built, the
+caller keeps Triton's C launch function.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 
@@ -27,12 +28,14 @@ SOURCE = r"""
 #include <string.h>
 
 #define MAX_PARAMS 64
+#define MAX_REBIND 8
 
 typedef struct {
   CUfunction function;
   int device;
   unsigned int grid_x, block_x, shared;
-  int out_slot, n_params;
+  int n_rebind, n_params;
+  int rebind[MAX_REBIND];
   unsigned long long values[MAX_PARAMS];  /* one 8-byte slot per parameter (4-byte ones in the low half) */
   void *params[MAX_PARAMS];
 } Bound;
@@ -48,19 +51,29 @@ static int fail(CUresult rc) {
   return -1;
 }
 
-/* bind(function, device, grid_x, block_x, shared, out_slot, values) -> capsule;
-   values: the parameters as little-endian 8-byte slots. */
+/* bind(function, device, grid_x, block_x, shared, rebind, values) -> capsule;
+   rebind: the slots a launch passes anew, as little-endian int32; values: the parameters as
+   little-endian 8-byte slots. */
 static PyObject *bind(PyObject *self, PyObject *args) {
   unsigned long long function;
-  int device, out_slot;
+  int device;
   unsigned int grid_x, block_x, shared;
-  const char *buf;
-  Py_ssize_t len;
-  if (!PyArg_ParseTuple(args, "KiIIIiy#", &function, &device, &grid_x, &block_x, &shared, &out_slot, &buf, &len))
+  const char *buf, *slots;
+  Py_ssize_t len, n_slots;
+  if (!PyArg_ParseTuple(args, "KiIIIy#y#", &function, &device, &grid_x, &block_x, &shared, &slots, &n_slots, &buf,
+                        &len))
     return NULL;
-  if (len % 8 != 0 || len / 8 > MAX_PARAMS || out_slot < 0 || out_slot >= len / 8) {
-    PyErr_SetString(PyExc_ValueError, "bind: values must be 1..64 8-byte slots and out_slot one of them");
+  if (len % 8 != 0 || len / 8 > MAX_PARAMS || n_slots % 4 != 0 || n_slots / 4 > MAX_REBIND) {
+    PyErr_SetString(PyExc_ValueError, "bind: values must be 1..64 8-byte slots, rebind at most 8 int32 slots");
     return NULL;
+  }
+  for (Py_ssize_t i = 0; i < n_slots / 4; i++) {
+    int32_t slot;
+    memcpy(&slot, slots + 4 * i, 4);
+    if (slot < 0 || slot >= len / 8) {
+      PyErr_SetString(PyExc_ValueError, "bind: a rebind slot is not one of the values");
+      return NULL;
+    }
   }
   Bound *b = PyMem_Malloc(sizeof(Bound));
   if (b == NULL)
@@ -71,7 +84,8 @@ static PyObject *bind(PyObject *self, PyObject *args) {
   b->grid_x = grid_x;
   b->block_x = block_x;
   b->shared = shared;
-  b->out_slot = out_slot;
+  b->n_rebind = (int)(n_slots / 4);
+  memcpy(b->rebind, slots, (size_t)n_slots);
   b->n_params = (int)(len / 8);
   memcpy(b->values, buf, (size_t)len);
   for (int i = 0; i < b->n_params; i++)
@@ -82,21 +96,29 @@ static PyObject *bind(PyObject *self, PyObject *args) {
   return capsule;
 }
 
-/* launch(bound, out_ptr, stream) -> None */
+/* launch(bound, stream, *pointers) -> None: one pointer per rebind slot, in bind's order */
 static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "launch(bound, out_ptr, stream) takes 3 arguments");
+  if (nargs < 2) {
+    PyErr_SetString(PyExc_TypeError, "launch(bound, stream, *pointers) takes at least 2 arguments");
     return NULL;
   }
   Bound *b = PyCapsule_GetPointer(args[0], "nf4.bound");
   if (b == NULL)
     return NULL;
-  unsigned long long out = PyLong_AsUnsignedLongLong(args[1]);
-  if (out == (unsigned long long)-1 && PyErr_Occurred())
+  if (nargs != 2 + b->n_rebind) {
+    PyErr_Format(PyExc_TypeError, "launch: this bound launch takes %d pointers, got %d", b->n_rebind,
+                 (int)(nargs - 2));
     return NULL;
-  unsigned long long stream = PyLong_AsUnsignedLongLong(args[2]);
+  }
+  unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
   if (stream == (unsigned long long)-1 && PyErr_Occurred())
     return NULL;
+  unsigned long long ptrs[MAX_REBIND];
+  for (int i = 0; i < b->n_rebind; i++) {
+    ptrs[i] = PyLong_AsUnsignedLongLong(args[2 + i]);
+    if (ptrs[i] == (unsigned long long)-1 && PyErr_Occurred())
+      return NULL;
+  }
   CUcontext ctx = NULL;
   CUresult rc = cuCtxGetCurrent(&ctx);
   if (rc == CUDA_SUCCESS && ctx == NULL) {
@@ -110,7 +132,8 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   }
   if (rc != CUDA_SUCCESS && fail(rc))
     return NULL;
-  b->values[b->out_slot] = out;
+  for (int i = 0; i < b->n_rebind; i++)
+    b->values[b->rebind[i]] = ptrs[i];
   rc = cuLaunchKernel(b->function, b->grid_x, 1, 1, b->block_x, 1, 1, b->shared, (CUstream)(uintptr_t)stream,
                       b->params, NULL);
   if (rc != CUDA_SUCCESS && fail(rc))
@@ -120,7 +143,7 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
   {"bind", bind, METH_VARARGS, "bind the launch of one plan"},
-  {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "launch a bound plan into out_ptr on stream"},
+  {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "launch a bound kernel on stream with new pointers"},
   {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "nf4_native_launch", NULL, -1, methods};
@@ -133,17 +156,18 @@ _module: list = []  # [module] once built, [None] when it cannot be built here
 build_error: str | None = None  # why the module could not be built (for the probe and the tests)
 
 
-def layout(signature: dict, args: tuple, out_name: str = "out_ptr") -> tuple[bytes, int, list[int]] | None:
-    """(8-byte slots of the launch parameters, index of the output's slot, each parameter's size in bytes).
+def layout(signature: dict, args: tuple,
+           rebind: tuple[str, ...] = ("out_ptr",)) -> tuple[bytes, list[int], list[int]] | None:
+    """(8-byte slots of the launch parameters, the slot of each `rebind` name in order, each parameter's size).
 
     signature: the compiled kernel's `src.signature` (name -> '*fp16', 'i32', 'constexpr', ...) in
     parameter order; args: the values passed to the kernel, in the same order (tensors or ints for
     pointers). Two null scratch pointers close the list, as Triton's launcher passes them. None
-    when a parameter has a type this launcher does not bind.
+    when a parameter has a type this launcher does not bind, or a rebind name is not a pointer.
     """
     if len(signature) != len(args):
         return None
-    slots, sizes, out_slot = [], [], -1
+    slots, sizes, found = [], [], {}
     for (name, ty), value in zip(signature.items(), args, strict=True):
         if ty == "constexpr":
             continue
@@ -151,18 +175,17 @@ def layout(signature: dict, args: tuple, out_name: str = "out_ptr") -> tuple[byt
             ptr = value if isinstance(value, int) else value.data_ptr()
             slots.append(struct.pack("<Q", ptr))
             sizes.append(8)
+            found[name] = len(slots) - 1
         elif ty in _SCALARS and isinstance(value, int) and not isinstance(value, bool):
             slots.append(struct.pack(_SCALARS[ty], value).ljust(8, b"\0"))
             sizes.append(struct.calcsize(_SCALARS[ty]))
         else:
             return None
-        if name == out_name:
-            out_slot = len(slots) - 1
-    if out_slot < 0:
+    if not rebind or any(name not in found for name in rebind):
         return None
     slots += [struct.pack("<Q", 0)] * 2  # global and profile scratch: none (checked by the caller)
     sizes += [8, 8]
-    return b"".join(slots), out_slot, sizes
+    return b"".join(slots), [found[name] for name in rebind], sizes
 
 
 def ptx_param_sizes(ptx: str, name: str) -> list[int] | None:
@@ -182,6 +205,17 @@ def ptx_param_sizes(ptx: str, name: str) -> list[int] | None:
     return sizes
 
 
+@contextlib.contextmanager
+def module_override(mod):
+    """Test hook: `module()` returns `mod` inside the block (None: as if it could not be built here)."""
+    saved = list(_module)
+    _module[:] = [mod]
+    try:
+        yield mod
+    finally:
+        _module[:] = saved
+
+
 def module():
     """The compiled launch module, or None (then `build_error` says why)."""
     global build_error
@@ -198,9 +232,10 @@ def module():
     return _module[0]
 
 
-def bind(compiled, args: tuple, grid_x: int, device_index: int, kernel_name: str = "nf4_dequantize_kernel"):
-    """A bound launch for `compiled` with `args` (its output pointer rebound per call), or None when the
-    parameter layout cannot be confirmed against the kernel's PTX or the kernel needs launch attributes."""
+def bind(compiled, args: tuple, grid_x: int, device_index: int, rebind: tuple[str, ...] = ("out_ptr",)):
+    """A bound launch for `compiled` with `args` (the `rebind` pointer slots passed anew per call), or
+    None when the parameter layout cannot be confirmed against the kernel's PTX or the kernel needs
+    launch attributes."""
     md = compiled.metadata
     if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl",
                                                                                                   False):
@@ -208,13 +243,14 @@ def bind(compiled, args: tuple, grid_x: int, device_index: int, kernel_name: str
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         return None
     src = getattr(compiled, "src", None)
-    found = layout(dict(src.signature), args) if src is not None and hasattr(src, "signature") else None
+    found = layout(dict(src.signature), args, tuple(rebind)) if src is not None and hasattr(src, "signature") else None
     if found is None:
         return None
-    values, out_slot, sizes = found
+    values, slots, sizes = found
     in_ptx = getattr(compiled, "_nf4_ptx_param_sizes", None)  # parsed once per compiled kernel
     if in_ptx is None:
-        in_ptx = ptx_param_sizes(compiled.asm.get("ptx", ""), kernel_name) or []
+        name = getattr(md, "name", None) or getattr(getattr(src, "fn", None), "__name__", "")
+        in_ptx = ptx_param_sizes(compiled.asm.get("ptx", ""), name) or []
         try:
             compiled._nf4_ptx_param_sizes = in_ptx
         except AttributeError:  # a kernel object that takes no attributes: parse again next time
@@ -224,4 +260,5 @@ def bind(compiled, args: tuple, grid_x: int, device_index: int, kernel_name: str
     mod = module()
     if mod is None:
         return None
-    return mod.bind(compiled.function, device_index, grid_x, 32 * md.num_warps, md.shared, out_slot, values)
+    return mod.bind(compiled.function, device_index, grid_x, 32 * md.num_warps, md.shared,
+                    struct.pack(f"<{len(slots)}i", *slots), values)

@@ -25,33 +25,38 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import registry, runner
+from experiments import ops, registry, runner
+from experiments.ops import dequant as dequant_op
 from experiments.registry import Variant
 
 INTERPRETING = not runner.gpu_mode()
 VARIANTS = registry.variants()
 RUNNABLE = [v.id for v in VARIANTS.values() if not v.gpu_only]
 WITH_KERNEL = [v.id for v in VARIANTS.values() if v.kernel is not None]
-CASES = runner.INTERPRETER_CASES
+CASES = dequant_op.INTERPRETER_CASES
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="interpreter checks (a GPU run uses the runner)")
 
 
 @functools.cache
 def _inputs(case_text: str):
-    case = runner.parse_case(case_text)
-    sets = runner.make_inputs(case, "cpu", 1, seed=case.numel)
-    return sets, runner.expected_output(sets[0][0], sets[0][1], gpu=False)
+    case = dequant_op.parse_case(case_text)
+    sets = dequant_op.make_inputs(case, "cpu", 1, seed=case.numel)
+    return sets, dequant_op.expected_output(sets[0][0], sets[0][1], gpu=False)
 
 
 def test_registry():
-    import experiments.variants as package
+    import importlib
 
     assert len(VARIANTS) >= 12
-    modules = {f"experiments.variants.{m.name}" for m in pkgutil.iter_modules(package.__path__)
-               if not m.name.startswith("_")}
+    modules = set()
+    for op in ops.names():
+        package = importlib.import_module(f"experiments.variants.{op}")
+        modules |= {f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)
+                    if not m.name.startswith("_")}
     assert modules == {v.module for v in VARIANTS.values()}, "a variant file registers nothing"
     for v in VARIANTS.values():
+        assert v.op in ops.names() and v.module.startswith(f"experiments.variants.{v.op}."), (v.id, v.op)
         assert re.fullmatch(r"v\d\d_[a-z0-9_]+", v.id), v.id
         assert v.parent is None or v.parent in VARIANTS, (v.id, v.parent)
         assert v.change and "\n" not in v.change, v.id
@@ -143,7 +148,7 @@ def _prmt(a: int, b: int, c: int) -> int:
 
 def _emulate(ptx: str, word: int) -> list[int]:
     regs = {"$8": word}
-    ops = {"shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF,
+    instr = {"shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF,
            "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "prmt.b32": _prmt}
     for line in ptx.splitlines():
         line = line.split("//")[0].strip()
@@ -152,12 +157,12 @@ def _emulate(ptx: str, word: int) -> list[int]:
         op, rest = line.rstrip(";").split(None, 1)
         dst, *srcs = [s.strip() for s in rest.split(",")]
         vals = [int(s, 0) if s[0].isdigit() else regs[s] for s in srcs]
-        regs[dst] = ops[op](*vals)
+        regs[dst] = instr[op](*vals)
     return [regs[f"${k}"] for k in range(8)]
 
 
 def test_prmt_codebook_ptx_emulated():
-    from experiments.variants.v21_prmt_lut import PRMT_PTX
+    from experiments.variants.dequant.v21_prmt_lut import PRMT_PTX
     from reference.format import NF4_CODE_BITS
 
     rng = np.random.default_rng(0)

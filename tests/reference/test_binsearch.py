@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for plain `pytest`
 
 from reference.binsearch import LUT_SIZE, build_quantize_lut, lut_index, quantize_blockwise_cpu
 from reference.format import DYNAMIC_MAP

@@ -10,7 +10,7 @@ dtype: the state's dtype is overridden, as the Unsloth harness does), double qua
 off, 1-D / odd / tail / 3-D / (9, 41, 341) shapes, packed tensors of shape (1, n), and
 quant_storage=torch.bfloat16.
 
-Disagreements, and which side is wrong (first principles: NF4_FORMAT.md sections 3-4, the weight is
+Disagreements, and which side is wrong (first principles: docs/FORMAT.md §3-§4, the weight is
 one exact float32 product `NF4[nibble] * absmax[i // blocksize]`, rounded to nearest even once):
 
 1. bitsandbytes, route (b), absmax index. The AVX512 branch of `dequantizeBlockwise4bitCpu`
@@ -52,15 +52,11 @@ import copy
 import functools
 import itertools
 import logging
-import sys
 import zlib
 from math import prod
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for plain `pytest`
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("bitsandbytes")

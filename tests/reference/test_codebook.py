@@ -13,13 +13,8 @@ always uses the map stored in the state (`state2.code`), never a rebuilt one.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for plain `pytest`
 
 import reference
 from verify.exact import assert_bitexact, compare

@@ -13,13 +13,8 @@ ulp off in some entries); `test_linspace_vector_path_is_bounded` records how far
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for plain `pytest`
 
 torch = pytest.importorskip("torch")
 

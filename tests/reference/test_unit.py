@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repository root, for plain `pytest`
+ROOT = Path(__file__).resolve().parents[2]
 
 import reference  # noqa: E402
 from reference import (  # noqa: E402

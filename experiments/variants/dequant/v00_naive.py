@@ -13,7 +13,7 @@ import triton.language as tl
 from experiments import common
 from experiments.common import store_rounded
 from experiments.registry import register
-from nf4.kernel import _mul
+from nf4.device import mul
 
 BLOCK = 1024  # output elements per program
 NUM_WARPS = 4
@@ -38,8 +38,8 @@ def _naive_kernel(
     level2 = tl.load(code2_ptr + q, mask=mask, other=0.0)
     scale2 = tl.load(absmax2_ptr + blk // 256, mask=mask, other=0.0)
     offset = tl.load(offset_ptr + offs * 0)  # gathered per element too, on purpose
-    absmax = _mul(level2, scale2, FTZ, ASM) + offset
-    y = _mul(tl.load(code_ptr + nib), absmax, FTZ, ASM)
+    absmax = mul(level2, scale2, FTZ, ASM) + offset
+    y = mul(tl.load(code_ptr + nib), absmax, FTZ, ASM)
     store_rounded(out_ptr, offs, y, mask, BF16_BITS, "", "")
 
 

@@ -12,7 +12,7 @@ import triton.language as tl
 from experiments import common
 from experiments.common import store_rounded
 from experiments.registry import register
-from nf4.kernel import _absmax_of_block, _mul
+from nf4.device import absmax_of_block, mul
 
 BLOCK = 1024  # packed bytes per program (2 * BLOCK outputs)
 NUM_WARPS = 4
@@ -32,10 +32,10 @@ def _byte_pairs_kernel(
     byte_idx = pid * BLOCK + tl.arange(0, BLOCK)
     ok = byte_idx < n_bytes
     byte = tl.load(packed_ptr + byte_idx, mask=ok, other=0)
-    absmax = _absmax_of_block(byte_idx // (BLOCKSIZE // 2), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+    absmax = absmax_of_block(byte_idx // (BLOCKSIZE // 2), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                               True, FTZ, ASM)
-    hi = _mul(tl.load(code_ptr + (byte >> 4).to(tl.int32)), absmax, FTZ, ASM)
-    lo = _mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32)), absmax, FTZ, ASM)
+    hi = mul(tl.load(code_ptr + (byte >> 4).to(tl.int32)), absmax, FTZ, ASM)
+    lo = mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32)), absmax, FTZ, ASM)
     y = tl.reshape(tl.join(hi, lo), (2 * BLOCK,))  # [hi0, lo0, hi1, lo1, ...]
     idx = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
     store_rounded(out_ptr, idx, y, idx < n, BF16_BITS, "", "")

@@ -15,7 +15,7 @@ import triton.language as tl
 from experiments import common
 from experiments.common import store_word8, tail_bytes
 from experiments.registry import register
-from nf4.kernel import _absmax_of_block
+from nf4.device import absmax_of_block
 
 TILE_BYTES = 2048  # packed bytes per program
 NUM_WARPS = 4
@@ -39,7 +39,7 @@ def _word4_kernel(
             w = pid * W + tl.arange(0, W)
             ok = w < n_words
             word = tl.load(packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + w, mask=ok, other=0)
-            absmax = _absmax_of_block(w // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+            absmax = absmax_of_block(w // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                                       True, FTZ, ASM)
             store_word8(out_ptr, w[:, None] * 8, word, absmax, code_ptr, ok[:, None], FTZ, ASM, BF16_BITS,
                         "evict_last", "", "")

@@ -15,7 +15,7 @@ import triton.language as tl
 from experiments import common
 from experiments.common import store_word8, tail_bytes
 from experiments.registry import register
-from nf4.kernel import _absmax_of_block
+from nf4.device import absmax_of_block
 
 TILE_BYTES = 2048  # packed bytes per program
 NUM_WARPS = 4
@@ -41,7 +41,7 @@ def _word16_kernel(
             words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
             words = tl.load(words_ptr + rows[:, None] * 4 + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0,
                             eviction_policy="evict_first")
-            absmax = _absmax_of_block(rows // (BLOCKSIZE // 32), ok, absmax_ptr, absmax2_ptr, code2_ptr,
+            absmax = absmax_of_block(rows // (BLOCKSIZE // 32), ok, absmax_ptr, absmax2_ptr, code2_ptr,
                                       offset_ptr, True, FTZ, ASM)
             even, odd = tl.split(tl.reshape(words, (R, 2, 2)))  # even = words 0, 2; odd = words 1, 3
             word0, word2 = tl.split(even)

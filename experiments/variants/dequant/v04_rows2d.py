@@ -14,7 +14,7 @@ import triton.language as tl
 from experiments import common
 from experiments.common import store_rounded
 from experiments.registry import register
-from nf4.kernel import _absmax_of_block, _mul
+from nf4.device import absmax_of_block, mul
 
 TILE_BYTES = 2048  # packed bytes per program
 NUM_WARPS = 4
@@ -32,13 +32,13 @@ def _rows2d_kernel(
     HALF: tl.constexpr = BLOCKSIZE // 2  # packed bytes per absmax block
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    absmax = _absmax_of_block(blk, blk < n_blocks, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
+    absmax = absmax_of_block(blk, blk < n_blocks, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
                               ASM)[:, None]
     byte_idx = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
     elem_hi = 2 * byte_idx
     byte = tl.load(packed_ptr + byte_idx, mask=elem_hi < n, other=0)
-    hi = _mul(tl.load(code_ptr + (byte >> 4).to(tl.int32)), absmax, FTZ, ASM)
-    lo = _mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32)), absmax, FTZ, ASM)
+    hi = mul(tl.load(code_ptr + (byte >> 4).to(tl.int32)), absmax, FTZ, ASM)
+    lo = mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32)), absmax, FTZ, ASM)
     y = tl.reshape(tl.join(hi, lo), (ROWS, BLOCKSIZE))
     out_idx = blk[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     store_rounded(out_ptr, out_idx, y, out_idx < n, BF16_BITS, "", "")

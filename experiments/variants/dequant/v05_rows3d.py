@@ -14,7 +14,7 @@ import triton.language as tl
 from experiments import common
 from experiments.common import store_rounded
 from experiments.registry import register
-from nf4.kernel import _absmax_of_block, _mul
+from nf4.device import absmax_of_block, mul
 
 TILE_BYTES = 2048  # packed bytes per program
 BPR = 4  # packed bytes per thread row
@@ -34,13 +34,13 @@ def _rows3d_kernel(
     RPB: tl.constexpr = BLOCKSIZE // (2 * BPR)  # rows per absmax block
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     blk = tl.program_id(0) * NBLK + tl.arange(0, NBLK)
-    absmax = _absmax_of_block(blk, blk < n_blocks, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
+    absmax = absmax_of_block(blk, blk < n_blocks, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
                               ASM)[:, None, None]
     row = blk[:, None, None] * RPB + tl.arange(0, RPB)[None, :, None]
     byte_idx = row * BPR + tl.arange(0, BPR)[None, None, :]
     byte = tl.load(packed_ptr + byte_idx, mask=byte_idx < n_bytes, other=0, eviction_policy="evict_first")
-    hi = _mul(tl.load(code_ptr + (byte >> 4).to(tl.int32), eviction_policy="evict_last"), absmax, FTZ, ASM)
-    lo = _mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32), eviction_policy="evict_last"), absmax, FTZ, ASM)
+    hi = mul(tl.load(code_ptr + (byte >> 4).to(tl.int32), eviction_policy="evict_last"), absmax, FTZ, ASM)
+    lo = mul(tl.load(code_ptr + (byte & 0xF).to(tl.int32), eviction_policy="evict_last"), absmax, FTZ, ASM)
     y = tl.reshape(tl.join(hi, lo), (NBLK, RPB, 2 * BPR))  # element 2k = high nibble of byte k
     out_idx = row * (2 * BPR) + tl.arange(0, 2 * BPR)[None, None, :]
     store_rounded(out_ptr, out_idx, y, out_idx < n, BF16_BITS, "", "")

@@ -2,9 +2,9 @@
 
 Teaches which hint matters for a streaming kernel: the packed bytes are read once, the tables
 (code2, absmax2, the NF4 levels) are reused by every program, the output is written once. The
-family runs its own copy of the production kernel's word layout (nf4/kernel.py when this was
+family runs its own copy of the production kernel's word layout (nf4/dequant/kernel.py when this was
 written: consecutive threads take consecutive 4-byte words) with the hint of each stream as a
-constexpr string, at production's tile size and warps (nf4.api); v10 uses production's hints,
+constexpr string, at production's tile size and warps (nf4.DequantConfig); v10 uses production's hints,
 each other member sets one stream to one value.
 `--sm75` shows which hints survive into the PTX for a T4 (sm_75 has no L2::cache_hint).
 """
@@ -14,16 +14,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-import nf4.api
 from experiments import common
 from experiments.common import store_word8, tail_bytes
 from experiments.registry import register
-from nf4.kernel import _mul
+from nf4.device import mul
 
-# The baseline is production's current setting of every stream (nf4.api), its tile and warps;
+# The baseline is production's current setting of every stream (nf4.DequantConfig), its tile and warps;
 # each member sets one stream to one value (a member may coincide with the baseline).
-PRODUCTION = {"packed_evict": nf4.api.EVICT_STREAM, "packed_cache": "", "table_evict": "evict_last",
-              "store_cache": getattr(nf4.api, "STORE_CM", ""), "store_evict": ""}
+PRODUCTION = {"packed_evict": common.PRODUCTION.evict_stream, "packed_cache": "", "table_evict": "evict_last",
+              "store_cache": common.PRODUCTION.store_cm, "store_evict": ""}
 # id, parent, the settings changed versus production, the one-line change.
 FAMILY = [
     ("v10_cache_production", "v51_cached_launch", {},
@@ -69,7 +68,7 @@ def _cache_kernel(
             q = tl.load(absmax_ptr + blk, mask=ok, other=0)
             level = tl.load(code2_ptr + q.to(tl.int32), mask=ok, other=0.0, eviction_policy=TABLE_EVICT)
             scale2 = tl.load(absmax2_ptr + blk // 256, mask=ok, other=0.0, eviction_policy=TABLE_EVICT)
-            absmax = _mul(level, scale2, FTZ, ASM) + tl.load(offset_ptr)
+            absmax = mul(level, scale2, FTZ, ASM) + tl.load(offset_ptr)
             store_word8(out_ptr, w[:, None] * 8, word, absmax, code_ptr, ok[:, None], FTZ, ASM, BF16_BITS,
                         TABLE_EVICT, STORE_CACHE, STORE_EVICT)
         else:  # the program past the whole words: the last 1-3 bytes
@@ -84,11 +83,11 @@ def _launcher(hints):
     def run(packed, quant_state, out, *, ftz):
         s = common.state_of(packed, quant_state)
         asm, bf16_bits = common.flags(packed, ftz)
-        vec, n_words, grid = common.unit_plan(packed, s.n, nf4.api.TILE_BYTES, 4)
+        vec, n_words, grid = common.unit_plan(packed, s.n, common.PRODUCTION.tile_bytes, 4)
         common.launch(_cache_kernel, grid, packed, s.absmax_u8, s.absmax2, s.code2, s.offset, s.code, out, s.n,
-                      (s.n + 1) // 2, n_words, s.blocksize, nf4.api.TILE_BYTES, vec, ftz, asm, bf16_bits,
+                      (s.n + 1) // 2, n_words, s.blocksize, common.PRODUCTION.tile_bytes, vec, ftz, asm, bf16_bits,
                       hints["packed_evict"], hints["packed_cache"], hints["table_evict"], hints["store_cache"],
-                      hints["store_evict"], num_warps=nf4.api.NUM_WARPS)
+                      hints["store_evict"], num_warps=common.PRODUCTION.num_warps)
         return out
 
     return run

@@ -2,14 +2,14 @@
 
 Teaches the trade between a memory gather (one L1-resident load per weight) and arithmetic
 (15 selects per weight on the 4 bits of the code, constants in the instruction stream). The
-production kernel through nf4.api.launch with its default meta-parameters and codebook=1.
+production kernel through nf4.dequant.launch with its default meta-parameters and codebook=1.
 """
 
 from __future__ import annotations
 
 from experiments import common
 from experiments.registry import register
-from nf4.kernel import nf4_dequantize_kernel
+from nf4.dequant.kernel import nf4_dequantize_kernel
 
 
 @register("v20_select_tree", parent="v51_cached_launch", change="codebook: tl.where select tree on the 4 code bits",

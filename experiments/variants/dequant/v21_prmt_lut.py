@@ -1,7 +1,7 @@
 """v21: the NF4 codebook in PTX: a 16-entry table lookup with byte permutes (prmt.b32), 8 levels per call.
 
 Teaches custom asm that stays bit-exact. The production kernel's word layout (own copy, at
-nf4.api's tile, warps and hints) with only the codebook changed. One `tl.inline_asm_elementwise`
+the production DequantConfig's tile, warps and hints) with only the codebook changed. One `tl.inline_asm_elementwise`
 call takes a packed 32-bit word and returns the float32 bits of its 8 levels. The table lives in 16 immediates: for each
 byte j of a float32, four registers hold byte j of the 16 levels (levels 0-3, 4-7, 8-11, 12-15).
 For 4 codes at once, `prmt` picks byte j by the low 3 bits of each code from the low and the high
@@ -18,11 +18,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-import nf4.api
 from experiments import common
 from experiments.common import store_rounded, tail_bytes
 from experiments.registry import register
-from nf4.kernel import _absmax_of_block, _mul, _nf4_level
+from nf4.device import absmax_of_block, mul, nf4_level
 from reference.format import NF4_CODE_BITS
 
 
@@ -70,14 +69,14 @@ def _levels8(word, code_ptr, ASM: tl.constexpr):
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
             is_pure=True, pack=1)
     else:  # the interpreter: the same 8 levels by table gather
-        e0 = _nf4_level(((word >> 4) & 0xF).to(tl.int32), code_ptr, 0)
-        e1 = _nf4_level((word & 0xF).to(tl.int32), code_ptr, 0)
-        e2 = _nf4_level(((word >> 12) & 0xF).to(tl.int32), code_ptr, 0)
-        e3 = _nf4_level(((word >> 8) & 0xF).to(tl.int32), code_ptr, 0)
-        e4 = _nf4_level(((word >> 20) & 0xF).to(tl.int32), code_ptr, 0)
-        e5 = _nf4_level(((word >> 16) & 0xF).to(tl.int32), code_ptr, 0)
-        e6 = _nf4_level(((word >> 28) & 0xF).to(tl.int32), code_ptr, 0)
-        e7 = _nf4_level(((word >> 24) & 0xF).to(tl.int32), code_ptr, 0)
+        e0 = nf4_level(((word >> 4) & 0xF).to(tl.int32), code_ptr, 0)
+        e1 = nf4_level((word & 0xF).to(tl.int32), code_ptr, 0)
+        e2 = nf4_level(((word >> 12) & 0xF).to(tl.int32), code_ptr, 0)
+        e3 = nf4_level(((word >> 8) & 0xF).to(tl.int32), code_ptr, 0)
+        e4 = nf4_level(((word >> 20) & 0xF).to(tl.int32), code_ptr, 0)
+        e5 = nf4_level(((word >> 16) & 0xF).to(tl.int32), code_ptr, 0)
+        e6 = nf4_level(((word >> 28) & 0xF).to(tl.int32), code_ptr, 0)
+        e7 = nf4_level(((word >> 24) & 0xF).to(tl.int32), code_ptr, 0)
     # join adds a trailing axis, so the innermost join picks the lowest index bit: [R, 2, 2, 2] -> [R, 8]
     y = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
     return tl.reshape(y, (word.shape[0], 8))
@@ -102,9 +101,9 @@ def _prmt_kernel(
             ok = w < n_words
             word = tl.load(packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + w, mask=ok, other=0,
                            eviction_policy=PACKED_EVICT)
-            absmax = _absmax_of_block(w // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+            absmax = absmax_of_block(w // (BLOCKSIZE // 8), ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                                       True, FTZ, ASM)
-            y = _mul(_levels8(word, code_ptr, ASM), absmax[:, None], FTZ, ASM)
+            y = mul(_levels8(word, code_ptr, ASM), absmax[:, None], FTZ, ASM)
             store_rounded(out_ptr, w[:, None] * 8 + tl.arange(0, 8)[None, :], y, ok[:, None], BF16_BITS,
                           STORE_CACHE, "")
         else:  # the program past the whole words: the last 1-3 bytes (table gather)
@@ -122,8 +121,8 @@ def run(packed, quant_state, out, *, ftz):
     s = common.state_of(packed, quant_state)
     _, bf16_bits = common.flags(packed, ftz)
     asm = not common.interpreting(packed)  # the lookup is PTX whatever ftz says
-    vec, n_words, grid = common.unit_plan(packed, s.n, nf4.api.TILE_BYTES, 4)
+    vec, n_words, grid = common.unit_plan(packed, s.n, common.PRODUCTION.tile_bytes, 4)
     common.launch(_prmt_kernel, grid, packed, s.absmax_u8, s.absmax2, s.code2, s.offset, s.code, out, s.n,
-                  (s.n + 1) // 2, n_words, s.blocksize, nf4.api.TILE_BYTES, vec, ftz, asm, bf16_bits,
-                  nf4.api.EVICT_STREAM, getattr(nf4.api, "STORE_CM", ""), num_warps=nf4.api.NUM_WARPS)
+                  (s.n + 1) // 2, n_words, s.blocksize, common.PRODUCTION.tile_bytes, vec, ftz, asm, bf16_bits,
+                  common.PRODUCTION.evict_stream, common.PRODUCTION.store_cm, num_warps=common.PRODUCTION.num_warps)
     return out

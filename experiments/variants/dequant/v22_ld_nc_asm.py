@@ -16,7 +16,7 @@ import triton.language as tl
 from experiments import common
 from experiments.common import store_word8, tail_bytes
 from experiments.registry import register
-from nf4.kernel import _absmax_of_block
+from nf4.device import absmax_of_block
 
 TILE_BYTES = 2048
 NUM_WARPS = 4
@@ -51,7 +51,7 @@ def _ld_nc_kernel(
                 even, odd = tl.split(tl.reshape(words, (R, 2, 2)))
                 word0, word2 = tl.split(even)
                 word1, word3 = tl.split(odd)
-            absmax = _absmax_of_block(rows // (BLOCKSIZE // 32), ok, absmax_ptr, absmax2_ptr, code2_ptr,
+            absmax = absmax_of_block(rows // (BLOCKSIZE // 32), ok, absmax_ptr, absmax2_ptr, code2_ptr,
                                       offset_ptr, True, FTZ, ASM)
             base = rows[:, None] * 32
             m = ok[:, None]

@@ -3,7 +3,7 @@
 Teaches occupancy versus work per thread: packed bytes per thread = tile_bytes / (32 * num_warps).
 Too few and the tile is smaller than the thread count (threads hold replicated work and Triton
 may relayout through shared memory); too many and registers run out. The production kernel
-(whatever nf4/kernel.py is) through nf4.api.launch; `spills_expected` marks the points measured
+(whatever nf4/dequant/kernel.py is) through nf4.dequant.launch; `spills_expected` marks the points measured
 to spill in the offline sm_75 compile.
 """
 
@@ -13,11 +13,11 @@ import itertools
 
 from experiments import common
 from experiments.registry import register
-from nf4.kernel import nf4_dequantize_kernel
+from nf4.dequant.kernel import nf4_dequantize_kernel
 
 TILE_BYTES = (512, 1024, 2048, 4096, 8192)
 NUM_WARPS = (1, 2, 4, 8)
-SPILLS_AT_BYTES_PER_THREAD = 128  # sm_75 offline compile, nf4/kernel.py as of writing: 128 B/thread spills
+SPILLS_AT_BYTES_PER_THREAD = 128  # sm_75 offline compile, nf4/dequant/kernel.py as of writing: 128 B/thread spills
 
 
 def _launcher(tile_bytes, num_warps):

@@ -5,14 +5,14 @@ loop's load -> gather -> store chain is not overlapped with the next tile's load
 system sees less in flight than with one short program per tile, where the GPU's block scheduler
 keeps every multiprocessor full (on the H200 of results/probe_h200.json the fixed grid lost on the
 two larger challenge weights and won slightly on the smallest). The production kernel's PERSIST path through
-nf4.api.launch (`programs_per_sm` programs per multiprocessor; three programs in the interpreter).
+nf4.dequant.launch (`programs_per_sm` programs per multiprocessor; three programs in the interpreter).
 """
 
 from __future__ import annotations
 
 from experiments import common
 from experiments.registry import register
-from nf4.kernel import nf4_dequantize_kernel
+from nf4.dequant.kernel import nf4_dequantize_kernel
 
 PROGRAMS_PER_SM = (8, 16, 32)
 

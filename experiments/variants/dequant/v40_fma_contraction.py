@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from experiments import common
 from experiments.registry import register
-from nf4.kernel import nf4_dequantize_kernel
+from nf4.dequant.kernel import nf4_dequantize_kernel
 
 
 @register("v40_fma_contraction", parent="v51_cached_launch", change="compiled with enable_fp_fusion=True",

@@ -3,9 +3,9 @@
 Teaches what a generic compiler makes of the same formula, and one of its traps: inductor
 compiles with fp fusion on, so `code2 * absmax2 + offset` may contract into an FMA (v60, not
 expected exact); `emulate_precision_casts=True` turns fusion off in the kernels it emits (v61).
-The generated code is saved under experiments.common.ARTIFACT_DIR (results/inductor/ by default;
-the runner's --inductor-dir), with inductor's debug trace next to it. GPU only; the function
-returns a new tensor (it ignores `out`) and ignores ftz (torch semantics).
+The generated code is saved as data (`.py.txt`) under experiments.common.current_artifact_dir()
+(results/inductor/ by default; the runner's --inductor-dir), with inductor's debug trace next to
+it. GPU only; the function returns a new tensor (it ignores `out`) and ignores ftz (torch semantics).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ def _launcher(variant_id: str, options: dict):
         if fn is not None:
             return fn(*args).view(quant_state.shape)
         name = f"{variant_id}_{'x'.join(map(str, quant_state.shape))}_{str(out.dtype).removeprefix('torch.')}"
-        folder = Path(common.ARTIFACT_DIR)
+        folder = Path(common.current_artifact_dir())
         folder.mkdir(parents=True, exist_ok=True)
         fn = torch.compile(peers.torch_dequantize, dynamic=False,
                            options={**options, "trace.enabled": True, "trace.debug_dir": str(folder / name),
                                     "fx_graph_cache": False})
         y, codes = run_and_get_code(fn, *args)
-        (folder / f"{name}.py").write_text("\n\n# ---- next generated module ----\n\n".join(codes))
+        text = "\n\n# ---- next generated module ----\n\n".join(codes)
+        (folder / f"{name}{common.GENERATED_CODE_SUFFIX}").write_text(text)
         _compiled[key] = fn
         return y.view(quant_state.shape)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import nf4
 from experiments.registry import register
-from nf4.kernel import nf4_dequantize_kernel
+from nf4.dequant.kernel import nf4_dequantize_kernel
 
 
 @register("v99_production", parent="v51_cached_launch",

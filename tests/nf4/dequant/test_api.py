@@ -12,11 +12,11 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 import nf4
-import nf4.kernel
+from nf4.dequant.kernel import nf4_dequantize_kernel
 from verify.exact import assert_bitexact
 
 pytestmark = pytest.mark.skipif(
-    not isinstance(nf4.kernel.nf4_dequantize_kernel, InterpretedFunction),
+    not isinstance(nf4_dequantize_kernel, InterpretedFunction),
     reason="needs Triton's interpreter: TRITON_INTERPRET=1 before triton is imported (conftest sets it without CUDA)",
 )
 

@@ -11,6 +11,7 @@ torch.compile with inductor, and a NaN-poisoned `out` at misaligned offsets.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -29,14 +30,15 @@ if torch.cuda.is_available():
     from triton.runtime.interpreter import InterpretedFunction
 
     import nf4
-    import nf4.api
-    import nf4.kernel
-    import nf4.native as native_mod
+    from nf4 import runtime
+    from nf4.dequant import api as dequant_api
+    from nf4.dequant.kernel import nf4_dequantize_kernel
+    from nf4.runtime import native as native_mod
     from reference.format import BLOCKSIZES
     from verify.exact import assert_bitexact, compare
 
     F = pytest.importorskip("bitsandbytes.functional")
-    if isinstance(nf4.kernel.nf4_dequantize_kernel, InterpretedFunction):
+    if isinstance(nf4_dequantize_kernel, InterpretedFunction):
         pytest.skip("TRITON_INTERPRET is set: these tests need compiled kernels", allow_module_level=True)
 else:
     BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -176,28 +178,16 @@ def test_ftz_off_vs_reference(nf4h, double_quant, dtype):
     assert_bitexact(got, nf4h.reference_dequant(packed, tiny, ftz=False), name="nf4 ftz=False vs reference")
 
 
-class _Recorder:
-    """Stands in for the kernel inside nf4.api so that a test sees exactly what launch would launch."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
-
-
-def _recorded_launch(monkeypatch, packed, state, out, ftz):
-    recorder = _Recorder()
-    with monkeypatch.context() as m:
-        m.setattr(nf4.api, "nf4_dequantize_kernel", recorder)
-        m.setattr(nf4.api, "_compiled", {})  # no cached binary may bypass the recorder
+def _recorded_launch(packed, state, out, ftz):
+    """What nf4.launch would launch (grid, positional args, options), recorded by nf4.runtime, not run."""
+    with runtime.recording() as calls:
         nf4.launch(packed, state.absmax, state.state2.absmax, state.state2.code, state.offset, out, out.numel(),
                    state.blocksize, True, ftz)
-    assert len(recorder.calls) == 1
-    return recorder.calls[0]
+    assert len(calls) == 1 and calls[0].fn is nf4_dequantize_kernel
+    return calls[0].grid, calls[0].args, calls[0].options
 
 
-def test_fma_contraction_changes_bits(nf4h, monkeypatch, record_property):
+def test_fma_contraction_changes_bits(nf4h, record_property):
     """8192x2048 fp16: the shipped build is bit-exact with bitsandbytes, an FMA-contracted build is not.
 
     The contracted build runs with FTZ off: the flush select between `code2 * absmax2` and `+ offset`
@@ -211,9 +201,9 @@ def test_fma_contraction_changes_bits(nf4h, monkeypatch, record_property):
     assert_bitexact(nf4.dequantize(packed, state, ftz=False), expect, name="shipped build (ieee) vs bitsandbytes")
 
     out = torch.empty(8192, 2048, dtype=torch.float16, device=CUDA)
-    grid, args, kwargs = _recorded_launch(monkeypatch, packed, state, out, False)
+    grid, args, kwargs = _recorded_launch(packed, state, out, False)
     assert kwargs.get("enable_fp_fusion") is False, f"nf4.launch compiles with {kwargs}"
-    compiled = nf4.kernel.nf4_dequantize_kernel[grid](*args, **{**kwargs, "enable_fp_fusion": True})
+    compiled = nf4_dequantize_kernel[grid](*args, **{**kwargs, "enable_fp_fusion": True})
     torch.cuda.synchronize()
     fmas = compiled.asm["ptx"].count("fma.rn.f32") if hasattr(compiled, "asm") else -1
     result = compare(out, expect, name="contracted build vs bitsandbytes")
@@ -229,10 +219,9 @@ def test_fma_contraction_changes_bits(nf4h, monkeypatch, record_property):
 # rest of this module's tests.
 BIG_CHILD = r"""
 import sys
-import torch
+import zlib
 
-sys.path[:0] = [sys.argv[2], sys.argv[3]]
-from conftest import KernelTestHelpers as H
+import torch
 import bitsandbytes.functional as F
 import nf4
 from reference.format import ABSMAX_BLOCKSIZE
@@ -241,7 +230,7 @@ from verify.exact import assert_bitexact
 mode, n, n_small, blocksize = sys.argv[1], 2**31 + 3, 2**31 - 5, 64
 span = blocksize * ABSMAX_BLOCKSIZE
 n_blocks = -(-n // blocksize)
-g = torch.Generator(device="cuda").manual_seed(H.case_seed("gpu-2**31"))
+g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(("gpu-2**31",)).encode()))  # as nf4h.case_seed
 raw = torch.randint(0, 256, ((n + 1) // 2 + 1,), dtype=torch.uint8, device="cuda", generator=g)
 flat = raw[1:] if mode == "misaligned" else raw[:-1]  # misaligned: the byte path instead of 32-bit words
 absmax_u8 = torch.randint(0, 256, (n_blocks,), dtype=torch.uint8, device="cuda", generator=g)
@@ -300,9 +289,10 @@ def test_more_than_2_31_elements(mode):
     free, _ = torch.cuda.mem_get_info()
     if free < need:
         pytest.skip(f"needs about {need / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
-    proc = subprocess.run([sys.executable, "-c", BIG_CHILD, mode, str(tests.parent), str(tests)], env=env,
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", BIG_CHILD, mode], env=env, cwd=root,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0 and "bit-exact" in proc.stdout, (
         f"child ({mode}) exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -360,31 +350,35 @@ def test_poisoned_out(nf4h, shape, blocksize, out_dtype, lead):
 @pytest.mark.parametrize("programs_per_sm", [0, 1, 8], ids=lambda k: f"persist{k}")
 @pytest.mark.parametrize(("shape", "dtype"), [((333, 129), torch.bfloat16), ((1, 4103), torch.float16),
                                               ((7,), torch.float32), ((4096, 1029), torch.bfloat16)], ids=str)
-def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, monkeypatch, programs_per_sm, shape, dtype, native):
+def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, programs_per_sm, shape, dtype, native):
     """The cached launch (second call on, with and without out=) stays bit-exact and writes all of
     out and nothing past it, with one tile per program and with the fixed (persistent) grid, through
-    nf4's own launch function (nf4/native.py) and through Triton's."""
-    monkeypatch.setattr(nf4.api, "PROGRAMS_PER_SM", programs_per_sm)
-    monkeypatch.setattr(nf4.api, "NATIVE_LAUNCH", native)
+    nf4's own launch function (nf4/runtime/native.py) and through Triton's."""
+    config = dequant_api.tuned_config(torch.device(CUDA, torch.cuda.current_device()),
+                                      math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    config = config.with_(programs_per_sm=programs_per_sm, native_launch=native)
     packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA,
                                   seed=nf4h.case_seed("fast-path", shape, dtype, programs_per_sm))
     expected = _bnb(packed, state)
     buf, out = nf4h.poisoned_out(tuple(state.shape), dtype, CUDA, lead=1)
     for i in range(3):
-        got = nf4.dequantize(packed, state)
+        got = nf4.dequantize(packed, state, config=config)
         assert_bitexact(got, expected, name=f"call {i} without out")
         nf4h.poison(buf)
-        got_out = nf4.dequantize(packed, state, out=out)
+        got_out = nf4.dequantize(packed, state, out=out, config=config)
         assert got_out.data_ptr() == out.data_ptr()
         assert_bitexact(got_out, expected, name=f"call {i} with out")
         nf4h.assert_poison_intact(buf, 1, 1 + out.numel())
-    plan = nf4.api._plans[id(state)]
-    direct = ".".join(triton.__version__.split(".")[:2]) in nf4.api.DIRECT_LAUNCH_VERSIONS
-    assert (type(plan.launch).__name__ == "builtin_function_or_method") == direct, type(plan.launch)
-    assert (plan.native is not None) == (direct and native), native_mod.build_error
+    plan = dequant_api.cached_plan(state)
+    assert plan is not None and plan.config is config
+    direct = ".".join(triton.__version__.split(".")[:2]) in runtime.DIRECT_LAUNCH_VERSIONS
+    assert plan.bound.native == (direct and native), native_mod.build_error
+    if not plan.bound.native:
+        launch_fn = plan.bound.ctx[0]
+        assert (type(launch_fn).__name__ == "builtin_function_or_method") == direct, type(launch_fn)
 
 
-def test_explicit_ftz_true_takes_the_fast_path_and_keeps_one_plan(nf4h, monkeypatch):
+def test_explicit_ftz_true_takes_the_fast_path_and_keeps_one_plan(nf4h):
     """ftz=True is the CUDA default, so a caller that passes it on every call (as the experiments do)
     gets the cached launch, and the plan is made once, not remade on every call."""
     shape, dtype = (333, 129), torch.float16
@@ -392,25 +386,25 @@ def test_explicit_ftz_true_takes_the_fast_path_and_keeps_one_plan(nf4h, monkeypa
     expected = _bnb(packed, state)
     buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=3)
     nf4.dequantize(packed, state, out=out, ftz=True)
-    plan = nf4.api._plans[id(state)]
+    plan = dequant_api.cached_plan(state)
     runs = []
-    real_run = nf4.api._Plan.run
+    inner = plan.bound
 
-    def counting_run(self, *args, **kwargs):
-        runs.append(self)
-        return real_run(self, *args, **kwargs)
+    class CountingBound:  # stands in for the plan's bound launch (its instance state, not a module's)
+        fn = staticmethod(lambda ctx, *a: (runs.append(plan), inner.fn(inner.ctx, *a)))
+        ctx = None
 
-    monkeypatch.setattr(nf4.api._Plan, "run", counting_run)
+    plan.bound = CountingBound()
     for i in range(3):
         nf4h.poison(buf)
         got = nf4.dequantize(packed, state, out=out, ftz=True)
         assert got is out
         assert_bitexact(out, expected, name=f"explicit ftz=True, call {i}")
         nf4h.assert_poison_intact(buf, 3, 3 + out.numel())
-        assert nf4.api._plans[id(state)] is plan
+        assert dequant_api.cached_plan(state) is plan
     assert runs == [plan] * 3
     got = nf4.dequantize(packed, state, ftz=False)  # not the plan's ftz: the full path, the plan untouched
-    assert runs == [plan] * 3 and nf4.api._plans[id(state)] is plan
+    assert runs == [plan] * 3 and dequant_api.cached_plan(state) is plan
     assert_bitexact(got, expected, name="ftz=False (no subnormal products in this weight)")
 
 
@@ -460,7 +454,7 @@ def test_fast_path_params4bit_and_data_swap(nf4h):
     expected = _bnb(w.data, qs)
     for i in range(3):
         assert_bitexact(nf4.dequantize(w, qs), expected, name=f"Params4bit call {i}")
-    plan = nf4.api._plans[id(qs)]
+    plan = dequant_api.cached_plan(qs)
     assert not plan.plain and plan.matches(w, qs)
     swapped = torch.randint(0, 256, w.data.shape, dtype=torch.uint8, device=CUDA,
                             generator=torch.Generator(device=CUDA).manual_seed(1))

@@ -17,13 +17,13 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 import nf4
-import nf4.api
-import nf4.kernel
+from nf4 import DequantConfig
+from nf4.dequant.kernel import nf4_dequantize_kernel
 from reference.format import BLOCKSIZES
 from verify.exact import assert_bitexact, compare
 
 pytestmark = pytest.mark.skipif(
-    not isinstance(nf4.kernel.nf4_dequantize_kernel, InterpretedFunction),
+    not isinstance(nf4_dequantize_kernel, InterpretedFunction),
     reason="needs Triton's interpreter: TRITON_INTERPRET=1 before triton is imported (conftest sets it without CUDA)",
 )
 
@@ -162,7 +162,7 @@ def test_codebook_and_tile(nf4h, codebook, tile_bytes, blocksize, numel, double_
     absmax, absmax2, code2, offset = _launch_inputs(state)
     out = torch.empty(numel, dtype=out_dtype)
     got = nf4.launch(packed, absmax, absmax2, code2, offset, out, numel, blocksize, state.nested, False,
-                     tile_bytes=tile_bytes, codebook=codebook)
+                     config=DequantConfig(tile_bytes=tile_bytes, codebook=codebook))
     assert got is out
     assert_bitexact(out, nf4h.reference_dequant(packed, state, out_dtype))
 
@@ -173,28 +173,27 @@ PERSIST_CASES = [(16, 32, 37 * 32 - 3), (16, 64, 9 * 64), (512, 64, 259 * 64 - 5
 
 @pytest.mark.parametrize("programs", [1, 3, 1000], ids=lambda v: f"p{v}")
 @pytest.mark.parametrize(("tile_bytes", "blocksize", "numel"), PERSIST_CASES, ids=lambda v: str(v))
-def test_persistent_grid(nf4h, monkeypatch, programs, tile_bytes, blocksize, numel):
+def test_persistent_grid(nf4h, programs, tile_bytes, blocksize, numel):
     """The fixed-grid word path: each program strides over the tiles; the last one writes the tail."""
-    monkeypatch.setattr(nf4.api, "INTERPRET_PROGRAMS", programs)
     packed, state = nf4h.quantize((numel,), torch.float32, blocksize, True,
                                   seed=nf4h.case_seed("persist", programs, tile_bytes, blocksize, numel))
     absmax, absmax2, code2, offset = _launch_inputs(state)
     out = torch.full((numel + 64,), float("nan"), dtype=torch.bfloat16)
     got = nf4.launch(packed, absmax, absmax2, code2, offset, out[:numel], numel, blocksize, True, False,
-                     tile_bytes=tile_bytes, programs_per_sm=1)
+                     config=DequantConfig(tile_bytes=tile_bytes, programs_per_sm=1, interpret_programs=programs))
     assert got.data_ptr() == out.data_ptr()
     assert_bitexact(out[:numel], nf4h.reference_dequant(packed, state, torch.bfloat16))
     assert torch.isnan(out[numel:]).all(), "wrote past the end of out"
 
 
 @pytest.mark.parametrize("ftz", [False, True], ids=["ieee", "ftz"])
-def test_select_codebook_through_api(nf4h, monkeypatch, ftz):
-    """The select-tree codebook via `nf4.api.CODEBOOK`, the way a tuned default would switch it."""
-    monkeypatch.setattr(nf4.api, "CODEBOOK", 1)
+def test_select_codebook_through_api(nf4h, ftz):
+    """The select-tree codebook through `nf4.dequantize(..., config=)`, the way a tuned table would switch it."""
+    config = DequantConfig(codebook=1)
     packed, state = nf4h.quantize((9, 41, 341), torch.bfloat16, 64, True, seed=nf4h.case_seed("api-cb", ftz))
-    _check(nf4h, packed, state, ftz=ftz)
+    _check(nf4h, packed, state, ftz=ftz, config=config)
     tiny = nf4h.tiny_state(state, 1)
-    _check(nf4h, packed, tiny, torch.float32, ftz=ftz)
+    _check(nf4h, packed, tiny, torch.float32, ftz=ftz, config=config)
 
 
 def _linear4bit(nf4h, in_features, out_features, seed, *, via, quant_storage=torch.uint8, blocksize=64):

@@ -5,7 +5,7 @@ and a cubin with the ptxas bundled with triton. The compile runs in a child proc
 TRITON_INTERPRET (in the interpreter, `@triton.jit` yields functions that cannot be compiled).
 
 What is compiled is what `nf4.launch` would launch for the challenge's 8192x2048 weight (blocksize
-64, double quantization): the child calls `nf4.launch` with the kernel replaced by a recorder, on
+64, double quantization): the child calls the dequant launch inside `nf4.runtime.recording()`, on
 stand-in tensors that report a CUDA device (so launch takes its GPU path; the interpreter path
 passes other meta-parameters), and turns the recorded arguments and options into the signature,
 constexprs and compile options.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 CHILD = r'''
 import json, re, shutil, subprocess, sys, tempfile
@@ -40,22 +40,12 @@ import triton
 import triton.compiler
 from triton.backends.compiler import GPUTarget
 
-import nf4.api
-import nf4.kernel
-
-KERNEL = nf4.kernel.nf4_dequantize_kernel
+from nf4 import runtime
+from nf4.dequant import api as dequant_api
+from nf4.dequant.kernel import nf4_dequantize_kernel as KERNEL
 POINTER = {torch.uint8: "*u8", torch.int8: "*i8", torch.float16: "*fp16", torch.bfloat16: "*bf16",
            torch.float32: "*fp32"}
 N, BLOCKSIZE = 8192 * 2048, 64
-
-
-class Recorder:
-    """Stands in for the kernel inside nf4.api: records what launch would launch."""
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
 
 
 class CudaLikeDevice(str):
@@ -66,7 +56,7 @@ class CudaLikeDevice(str):
 
 
 class FakeCudaTensor:
-    """Just enough of a CUDA tensor for nf4.api.launch to take its GPU path on a machine without one."""
+    """Just enough of a CUDA tensor for the dequant launch to take its GPU path on a machine without one."""
     device = CudaLikeDevice("cpu")
 
     def __init__(self, dtype, numel):
@@ -83,18 +73,17 @@ class FakeCudaTensor:
 
 
 def recorded_launch(out_dtype, ftz):
-    recorder = Recorder()
-    nf4.api.nf4_dequantize_kernel = recorder
-    try:
-        n_blocks = N // BLOCKSIZE
-        nf4.api.launch(FakeCudaTensor(torch.uint8, N // 2), FakeCudaTensor(torch.uint8, n_blocks),
-                       FakeCudaTensor(torch.float32, -(-n_blocks // 256)), FakeCudaTensor(torch.float32, 256),
-                       FakeCudaTensor(torch.float32, 1), FakeCudaTensor(out_dtype, N), N, BLOCKSIZE, True, ftz)
-    finally:
-        nf4.api.nf4_dequantize_kernel = KERNEL
-    if len(recorder.calls) != 1:
-        raise RuntimeError(f"nf4.api.launch made {len(recorder.calls)} kernel calls through nf4_dequantize_kernel")
-    return recorder.calls[0]
+    n_blocks = N // BLOCKSIZE
+    # The config the tuned table gives the challenge's 8192x2048 weight (no GPU here to name).
+    config = dequant_api.tuned_config(torch.device("cpu"), N * torch.empty((), dtype=out_dtype).element_size())
+    with runtime.recording() as calls:
+        dequant_api.launch(FakeCudaTensor(torch.uint8, N // 2), FakeCudaTensor(torch.uint8, n_blocks),
+                           FakeCudaTensor(torch.float32, -(-n_blocks // 256)), FakeCudaTensor(torch.float32, 256),
+                           FakeCudaTensor(torch.float32, 1), FakeCudaTensor(out_dtype, N), N, BLOCKSIZE, True, ftz,
+                           config=config)
+    if len(calls) != 1 or calls[0].fn is not KERNEL:
+        raise RuntimeError(f"the dequant launch made {len(calls)} launches, expected one of nf4_dequantize_kernel")
+    return calls[0].grid, calls[0].args, calls[0].options
 
 
 def source_for(args):
@@ -178,10 +167,10 @@ def build(name, cap, out_dtype, ftz, fusion=None):
     result.update(ptx=compiled.asm.get("ptx", ""), cubin_bytes=len(cubin), cubin_is_elf=cubin[:4] == b"\x7fELF",
                   shared=int(compiled.metadata.shared), num_warps=int(compiled.metadata.num_warps))
     result.update(resource_usage(cubin))
-    import nf4.native
-    bound = nf4.native.layout(dict(src.signature), args)
-    result.update(native_ptx_sizes=nf4.native.ptx_param_sizes(result["ptx"], "nf4_dequantize_kernel"),
-                  native_sizes=bound and bound[2], native_out_slot=bound and bound[1],
+    from nf4.runtime import native
+    bound = native.layout(dict(src.signature), args)
+    result.update(native_ptx_sizes=native.ptx_param_sizes(result["ptx"], "nf4_dequantize_kernel"),
+                  native_sizes=bound and bound[2], native_out_slot=bound and bound[1][0],
                   native_slots=bound and bound[0].hex(),
                   native_ints=[v for v in args if isinstance(v, int) and not isinstance(v, bool)][:3])
     return result
@@ -271,10 +260,10 @@ def test_contraction_control(builds, name):
 
 @pytest.mark.parametrize("name", UNFUSED)
 def test_native_launch_layout_matches_the_ptx(builds, name):
-    """nf4.native binds one slot per PTX parameter, in order and of the same size, with the output
+    """nf4.runtime.native binds one slot per PTX parameter, in order and of the same size, with the output
     pointer and the three sizes (n, packed bytes, words) where the kernel reads them."""
     build = _built(builds, name)
-    assert build["native_sizes"] is not None, "nf4.native.layout refused the production launch"
+    assert build["native_sizes"] is not None, "nf4.runtime.native.layout refused the production launch"
     assert build["native_sizes"] == build["native_ptx_sizes"], (build["native_sizes"], build["native_ptx_sizes"])
     slots = bytes.fromhex(build["native_slots"])
     words = [int.from_bytes(slots[8 * i:8 * i + 8], "little") for i in range(len(slots) // 8)]

@@ -1,0 +1,171 @@
+"""The `@triton.jit` helpers every NF4 kernel shares: nibbles, level lookup, ftz multiply, absmax, stores.
+
+One home for the device-side arithmetic, so that the product kernels (`nf4.dequant`) and every
+experiment variant and lab decode NF4 the same way. The format's facts (levels, nibble order, the
+absmax block of double quantization) come from `reference.format` and enter the compiled code as
+constexprs built from it; nothing here repeats a level or a block size as a literal
+(tests/nf4/test_device.py pins the constexprs to the format module).
+
+Exactness rules these helpers carry (docs/FORMAT.md §3-5):
+- `mul` rounds a float32 product once; with FTZ it flushes subnormal operands and results to a
+  zero of the same sign, like bitsandbytes' fast-math CUDA build. On a GPU (ASM) it is one PTX
+  `mul.rn.ftz.f32`, which the compiler cannot contract with a following add.
+- `absmax_of_block` recovers a double-quantized absmax with two float32 roundings (a product,
+  then a separate add); kernels are compiled with `enable_fp_fusion=False` so the IEEE path keeps
+  them apart too.
+- `store_rounded` rounds to the output dtype to nearest even; in Triton's interpreter (which
+  truncates float32 -> bfloat16) it rounds bfloat16 with integer ops (`to_bf16_rne`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from reference.format import ABSMAX_BLOCKSIZE, FLT_MIN, HIGH_NIBBLE_SHIFT, LOW_NIBBLE_MASK, NF4_CODE
+
+# constexprs built from the format module (float32 -> Python float is exact)
+FLT_MIN_F32 = tl.constexpr(float(FLT_MIN))  # smallest normal float32
+ABSMAX_BLOCK = tl.constexpr(ABSMAX_BLOCKSIZE)  # first-level absmax values per second-level scale
+HIGH_SHIFT = tl.constexpr(HIGH_NIBBLE_SHIFT)  # element 2k of a byte is its high nibble
+LOW_MASK = tl.constexpr(LOW_NIBBLE_MASK)
+NF4_0 = tl.constexpr(float(NF4_CODE[0]))
+NF4_1 = tl.constexpr(float(NF4_CODE[1]))
+NF4_2 = tl.constexpr(float(NF4_CODE[2]))
+NF4_3 = tl.constexpr(float(NF4_CODE[3]))
+NF4_4 = tl.constexpr(float(NF4_CODE[4]))
+NF4_5 = tl.constexpr(float(NF4_CODE[5]))
+NF4_6 = tl.constexpr(float(NF4_CODE[6]))
+NF4_7 = tl.constexpr(float(NF4_CODE[7]))
+NF4_8 = tl.constexpr(float(NF4_CODE[8]))
+NF4_9 = tl.constexpr(float(NF4_CODE[9]))
+NF4_10 = tl.constexpr(float(NF4_CODE[10]))
+NF4_11 = tl.constexpr(float(NF4_CODE[11]))
+NF4_12 = tl.constexpr(float(NF4_CODE[12]))
+NF4_13 = tl.constexpr(float(NF4_CODE[13]))
+NF4_14 = tl.constexpr(float(NF4_CODE[14]))
+NF4_15 = tl.constexpr(float(NF4_CODE[15]))
+SELECT_TREE_LEVELS = (NF4_0, NF4_1, NF4_2, NF4_3, NF4_4, NF4_5, NF4_6, NF4_7, NF4_8, NF4_9, NF4_10, NF4_11, NF4_12,
+                      NF4_13, NF4_14, NF4_15)  # for the test that pins them to the format module
+
+
+@triton.jit
+def flush(x, FTZ: tl.constexpr):
+    """Flush float32 subnormals to a zero of the same sign when FTZ, else return x unchanged."""
+    if FTZ:
+        x = tl.where(tl.abs(x) < FLT_MIN_F32, x * 0.0, x)
+    return x
+
+
+@triton.jit
+def to_bf16_rne(y):
+    """float32 -> bfloat16, round to nearest even, with integer ops (quiets NaNs, keeps -0.0).
+
+    Triton's interpreter truncates float32 -> bfloat16 (and its "rtne" mode rounds ties up), so
+    the interpreter takes this path to stay bit-exact; the GPU uses the native conversion unless
+    a config asks for the integer path.
+    """
+    bits = y.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = (bits + 0x7FFF + lsb) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = tl.where(is_nan, (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def high_nibble(byte):
+    """The code of element 2k of packed byte k (int32)."""
+    return ((byte >> HIGH_SHIFT) & LOW_MASK).to(tl.int32)
+
+
+@triton.jit
+def low_nibble(byte):
+    """The code of element 2k + 1 of packed byte k (int32)."""
+    return (byte & LOW_MASK).to(tl.int32)
+
+
+@triton.jit
+def word_nibble_shift(k):
+    """Right shift of element k (0..7) of a little-endian 32-bit word of 4 packed bytes.
+
+    Byte j of the word is bits 8j..8j+7, and element 2j is its high nibble.
+    """
+    return ((k // 2) * 8 + HIGH_SHIFT - (k % 2) * HIGH_SHIFT).to(tl.uint32)
+
+
+@triton.jit
+def nf4_level(nib, code_ptr, CODEBOOK: tl.constexpr):
+    """Float32 NF4 level of each 4-bit code: a gather from the 16-entry table (CODEBOOK 0), or a
+    select tree over the code's bits (any other value) whose leaves are the format's constexprs."""
+    if CODEBOOK == 0:
+        v = tl.load(code_ptr + nib, eviction_policy="evict_last")
+    else:
+        b0 = (nib & 1) != 0
+        b1 = (nib & 2) != 0
+        b2 = (nib & 4) != 0
+        b3 = (nib & 8) != 0
+        v01 = tl.where(b0, NF4_1, NF4_0)
+        v23 = tl.where(b0, NF4_3, NF4_2)
+        v45 = tl.where(b0, NF4_5, NF4_4)
+        v67 = tl.where(b0, NF4_7, NF4_6)
+        v89 = tl.where(b0, NF4_9, NF4_8)
+        vab = tl.where(b0, NF4_11, NF4_10)
+        vcd = tl.where(b0, NF4_13, NF4_12)
+        vef = tl.where(b0, NF4_15, NF4_14)
+        v03 = tl.where(b1, v23, v01)
+        v47 = tl.where(b1, v67, v45)
+        v8b = tl.where(b1, vab, v89)
+        vcf = tl.where(b1, vef, vcd)
+        v07 = tl.where(b2, v47, v03)
+        v8f = tl.where(b2, vcf, v8b)
+        v = tl.where(b3, v8f, v07).to(tl.float32)
+    return v
+
+
+@triton.jit
+def mul(a, b, FTZ: tl.constexpr, ASM: tl.constexpr):
+    """float32 a * b, rounded once; with FTZ, subnormal operands and results become signed zeros.
+
+    ASM: use PTX `mul.rn.ftz.f32`, which flushes in the multiplier itself (one instruction);
+    otherwise (Triton's interpreter has no PTX) flush with compares and selects.
+    """
+    if FTZ and ASM:
+        return tl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    elif FTZ:
+        return flush(flush(a, True) * flush(b, True), True)
+    else:
+        return a * b
+
+
+@triton.jit
+def absmax_of_block(blk, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                    DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr):
+    """The float32 absmax of blocks `blk`: stored, or code2[u8] * absmax2[blk // ABSMAX_BLOCK] + offset."""
+    if DOUBLE_QUANT:
+        q = tl.load(absmax_ptr + blk, mask=ok, other=0)
+        level = tl.load(code2_ptr + q.to(tl.int32), mask=ok, other=0.0, eviction_policy="evict_last")
+        scale2 = tl.load(absmax2_ptr + blk // ABSMAX_BLOCK, mask=ok, other=0.0, eviction_policy="evict_last")
+        # Two roundings: a product, then a separate IEEE add (bitsandbytes adds the offset with a
+        # torch op, outside its fast-math kernel). enable_fp_fusion=False keeps them apart.
+        absmax = mul(level, scale2, FTZ, ASM) + tl.load(offset_ptr)
+    else:
+        absmax = tl.load(absmax_ptr + blk, mask=ok, other=0.0)
+    return absmax
+
+
+@triton.jit
+def store_rounded(out_ptr, idx, y, mask, BF16_BITS: tl.constexpr, STORE_CM: tl.constexpr,
+                  STORE_EVICT: tl.constexpr):
+    # No default values on constexpr parameters: Triton 3.6 cannot compile a call that relies on one.
+    """Round float32 `y` to the output dtype (RNE; integer ops for bf16 when BF16_BITS) and store it.
+
+    STORE_CM: PTX cache modifier ("" or ".cs", ".cg", ...); STORE_EVICT: eviction policy ("" or
+    "evict_first", ...).
+    """
+    if BF16_BITS and out_ptr.dtype.element_ty == tl.bfloat16:
+        y_out = to_bf16_rne(y)
+    else:
+        y_out = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + idx, y_out, mask=mask, cache_modifier=STORE_CM, eviction_policy=STORE_EVICT)

@@ -1,0 +1,229 @@
+"""One launch mechanism for every nf4 kernel: a compiled-kernel cache and the cheap repeat call.
+
+    compiled = runtime.launch(kernel, grid, args, device=dev, num_warps=4)   # args: {name: value}
+    bound = runtime.bind(compiled, kernel, grid, args, rebind=("out_ptr",), device_index=0)
+    bound.fn(bound.ctx, stream, out_ptr)                                    # the repeat call
+
+`launch` compiles a `@triton.jit` function once per specialisation (`spec_key`: what Triton
+specialises on, read from the kernel's own parameter list) and afterwards calls the compiled
+kernel directly: Triton's JIT dispatch costs more host time than a small kernel runs. `bind`
+fixes every argument but the named `rebind` slots, so that a repeat call passes only those and
+the stream: through nf4's own C launch function (`runtime.native`) where its parameter layout is
+confirmed against the kernel's PTX, else through Triton's C launch function (on the Triton
+releases in DIRECT_LAUNCH_VERSIONS), else through `CompiledKernel.run`. Nothing here names a
+particular kernel. While `recording()` is active nothing runs: launches are recorded (for the
+offline sm_75 compiles of the experiments and tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+# Triton versions whose C launch function is called directly, skipping the Python wrapper
+# `CompiledKernel.run` (its argument convention changes between releases, so a version is listed
+# only after the GPU tests passed with it). Others use the wrapper.
+DIRECT_LAUNCH_VERSIONS = ("3.6",)
+
+_compiled: dict[tuple, Any] = {}
+_recording: list | None = None
+_sm_counts: dict[int, int] = {}
+
+
+def interpreting(device: torch.device) -> bool:
+    """True when a launch on `device` runs in Triton's interpreter (a CPU tensor, or TRITON_INTERPRET set)."""
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached)."""
+    count = _sm_counts.get(device.index)
+    if count is None:
+        count = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
+
+def _unspecialised(fn) -> set[int]:
+    names = list(fn.arg_names)
+    return {names.index(p) if isinstance(p, str) else int(p) for p in (getattr(fn, "do_not_specialize", None) or ())}
+
+
+def spec_key(fn, values: Sequence) -> tuple:
+    """What Triton specialises a launch of `fn` on: constexpr values, pointer dtypes and 16-byte
+    alignment, integers' divisibility by 16, equality with 1 and 32-bit range, booleans. Integer
+    parameters the kernel lists in `do_not_specialize` count by their width only."""
+    skip = _unspecialised(fn)
+    key = []
+    for i, (param, arg) in enumerate(zip(fn.params, values, strict=True)):
+        if param.is_constexpr:
+            key.append(arg)
+        elif isinstance(arg, torch.Tensor) or hasattr(arg, "data_ptr"):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, bool):
+            key.append(("b", arg))
+        elif isinstance(arg, int):
+            wide = -(2**31) <= arg < 2**31
+            key.append(wide if i in skip else (arg % 16 == 0, arg == 1, wide))
+        else:
+            key.append(type(arg).__name__)
+    return tuple(key)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A launch that `recording()` kept instead of running: the kernel, grid, positional values, options."""
+
+    fn: Any
+    grid: tuple
+    args: tuple
+    options: dict
+
+
+@contextlib.contextmanager
+def recording():
+    """Record launches instead of running them; yields the list of `Recorded`. Nests."""
+    global _recording
+    saved = _recording
+    _recording = []
+    try:
+        yield _recording
+    finally:
+        _recording = saved
+
+
+def is_recording() -> bool:
+    """Whether launches are being recorded (see `recording`)."""
+    return _recording is not None
+
+
+def positional(fn, args: Mapping[str, Any]) -> tuple:
+    """The kernel's arguments in parameter order (KeyError naming a missing one)."""
+    try:
+        return tuple(args[name] for name in fn.arg_names)
+    except KeyError as exc:
+        raise KeyError(f"{fn.__name__}: no value for parameter {exc.args[0]!r}") from None
+
+
+def launch(fn, grid: Sequence[int], args: Mapping[str, Any], *, device: torch.device, jit: bool = False,
+           **options):
+    """Launch `fn[grid](**args)` through the compiled-kernel cache; returns the compiled kernel (None
+    when interpreting, recording, or with jit=True).
+
+    options: num_warps (default 4), enable_fp_fusion (default False: contraction would round
+    multiply-adds once), any other Triton launch option. jit=True goes through Triton's JIT
+    dispatch on every call (what a plain `kernel[grid](...)` costs; for the experiments).
+    """
+    options = {"num_warps": 4, "enable_fp_fusion": False, **options}
+    grid = tuple(grid) + (1,) * (3 - len(grid))  # a compiled kernel reads grid[0], grid[1], grid[2]
+    values = positional(fn, args)
+    if _recording is not None:
+        _recording.append(Recorded(fn, grid, values, options))
+        return None
+    if jit or interpreting(device):
+        fn[grid](*values, **options)
+        return None
+    key = (fn, device.index, tuple(sorted(options.items())), spec_key(fn, values))
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = _compiled[key] = fn[grid](*values, **options)
+    else:
+        compiled[grid](*values)
+    return compiled
+
+
+def hooks_active() -> bool:
+    """Whether a launch hook (a profiler) is installed; Triton 3.6+ keeps them in (possibly empty) chains."""
+    from triton import knobs
+
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _triton_version() -> str:
+    return ".".join(triton.__version__.split(".")[:2])
+
+
+def launch_head(compiled, direct: bool = True) -> tuple:
+    """(callable, the launch arguments between the stream and the kernel's own arguments)."""
+    run = compiled.run
+    fn = getattr(run, "launch", None)
+    if (direct and fn is not None and _triton_version() in DIRECT_LAUNCH_VERSIONS
+            and not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1)):
+        # Triton 3.6: launch(gridX, gridY, gridZ, stream, function, cooperative, pdl, global_scratch,
+        #                    profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)
+        return fn, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                    compiled.packed_metadata, None, None, None)
+    # CompiledKernel.run(gridX, gridY, gridZ, stream, function, packed_metadata, launch_metadata,
+    #                    enter_hook, exit_hook, *args)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+class Bound:
+    """A compiled launch with its arguments bound: `fn(ctx, stream, *rebind_values)` launches it.
+
+    `native` says which launch function serves it: nf4's own (runtime.native) or Triton's.
+    """
+
+    __slots__ = ("ctx", "fn", "grid_x", "native", "rebind")
+
+    def __call__(self, stream: int, *values) -> None:
+        self.fn(self.ctx, stream, *values)
+
+
+def _triton_call(ctx, stream, *values):
+    launch_fn, grid_x, head, template, positions = ctx
+    args = list(template)
+    for p, v in zip(positions, values, strict=True):
+        args[p] = v
+    launch_fn(grid_x, 1, 1, stream, *head, *args)
+
+
+def _triton_call_one(ctx, stream, value):
+    launch_fn, grid_x, head, post = ctx
+    launch_fn(grid_x, 1, 1, stream, *head, value, *post)
+
+
+def bind(compiled, fn, grid: Sequence[int], args: Mapping[str, Any], rebind: Sequence[str], device_index: int, *,
+         native: bool = True, direct: bool = True) -> Bound:
+    """Bind `compiled` (a kernel `launch` returned for `fn`) with `args` for repeat calls that change only
+    the `rebind` slots (pointer parameters, by name). native=False keeps Triton's launch function;
+    direct=False also skips its C launch function (the Python wrapper `CompiledKernel.run`)."""
+    if tuple(grid[1:]) not in ((), (1,), (1, 1)):
+        raise ValueError(f"bind: only 1-D grids, got {tuple(grid)}")
+    names = list(fn.arg_names)
+    for name in rebind:
+        if name not in names:
+            raise KeyError(f"{fn.__name__}: no parameter {name!r} to rebind")
+    bound = Bound()
+    bound.grid_x, bound.rebind = int(grid[0]), tuple(rebind)
+    launch_fn, head = launch_head(compiled, direct)
+    if native and launch_fn is not compiled.run:  # only where Triton's own C launch function is used
+        from . import native as native_mod
+
+        ctx = native_mod.bind(compiled, positional(fn, args), bound.grid_x, device_index, rebind)
+        if ctx is not None:
+            bound.fn, bound.ctx, bound.native = native_mod.module().launch, ctx, True
+            return bound
+    # Triton's launch functions take every argument in parameter order (constexprs too; they skip them).
+    values = [v.data_ptr() if hasattr(v, "data_ptr") else v for v in positional(fn, args)]
+    positions = [names.index(name) for name in rebind]
+    bound.native = False
+    if len(positions) == 1:
+        p = positions[0]
+        bound.fn = _triton_call_one
+        bound.ctx = (launch_fn, bound.grid_x, head + tuple(values[:p]), tuple(values[p + 1:]))
+    else:
+        bound.fn, bound.ctx = _triton_call, (launch_fn, bound.grid_x, head, tuple(values), tuple(positions))
+    return bound
+
+
+# The current CUDA stream of a device as an int (absent from CPU-only builds, where nothing is bound).
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
