@@ -23,7 +23,12 @@ SPIN_CYCLES = 400_000  # GPU clock cycles of busy-wait before each timed call (~
 
 
 def git_commit() -> str:
-    """The repository's HEAD commit, with '-dirty' when the work tree has uncommitted changes."""
+    """The repository's HEAD commit, with '-dirty' when the work tree has uncommitted changes.
+
+    NF4_COMMIT, when set, wins: a copy of the work tree (a lent GPU machine) may carry a stale .git.
+    """
+    if os.environ.get("NF4_COMMIT"):
+        return os.environ["NF4_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
