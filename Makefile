@@ -27,7 +27,7 @@ lint: $(VENV)/.installed
 
 # GPU only: the kernel benchmark and the ablations.
 bench: $(VENV)/.installed
-	$(PY) -m nf4.bench --sweep
+	$(PY) -m experiments bench --sweep
 
 experiments: $(VENV)/.installed
 	$(PY) -m experiments run
