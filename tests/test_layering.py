@@ -267,3 +267,23 @@ def test_no_citation_outside_the_repository(folder):
             if needle in text:
                 bad.append(f"{path.relative_to(ROOT)}: cites {needle}")
     assert not bad, "\n".join(bad)
+
+
+def test_experiments_import_no_private_names_from_nf4():
+    """Variants, labs and the bench use nf4's public names (nf4.device, nf4.runtime, nf4.dequant), not `_x`."""
+    bad = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "nf4":
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{a.name}"
+                        for a in node.names if a.name.startswith("_")]
+                if any(part.startswith("_") for part in node.module.split(".")):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: private module {node.module}")
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = node.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in ("nf4", "dequant_api", "runtime", "native"):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {base.id}...{node.attr}")
+    assert not bad, "\n".join(bad)
