@@ -15,6 +15,7 @@ host time per call, measured in batches that alternate with an empty Triton kern
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -30,7 +31,7 @@ from verify.exact import mismatch_count as bitexact_count
 from verify.timing import empty_jit_launch
 
 DEFAULT_CASES = ["8192x2048:fp16", "2048x8192:fp16", "4096x1024:bf16", "1024x4096:bf16",
-                 "14336x4096:bf16", "4096x14336:bf16", "28672x8192:bf16"]
+                 "14336x4096:bf16", "4096x14336:bf16", "28672x8192:bf16", "11008x4096:bf16"]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -71,9 +72,14 @@ def providers(include_compile=True):
         "nf4": lambda p, q: nf4.dequantize(p, q),
         "nf4_out_buffer": nf4_out,
         "bnb.dequantize_4bit": peers.bnb_dequantize,
-        "unsloth_style": lambda p, q: peers.unsloth_fast_dequantize(p, q),
-        "unsloth_style_global_buffer": lambda p, q: peers.unsloth_fast_dequantize(p, q, use_global_buffer=True),
     }
+    if peers.unsloth_release() is not None:  # Unsloth 2026.10.9's own fast_dequantize (its Triton kernel)
+        provs["unsloth.2026.10.9"] = lambda p, q: peers.unsloth_release_dequantize(p, q)
+        provs["unsloth.2026.10.9_global_buffer"] = lambda p, q: peers.unsloth_release_dequantize(
+            p, q, use_global_buffer=True)
+    # the legacy path: Unsloth <= 2025 / its ctypes fallback, re-implemented in verify.peers
+    provs["unsloth_style"] = lambda p, q: peers.unsloth_fast_dequantize(p, q)
+    provs["unsloth_style_global_buffer"] = lambda p, q: peers.unsloth_fast_dequantize(p, q, use_global_buffer=True)
     if include_compile:
         provs["torch.compile"] = peers.make_torch_compile_peer()
     return provs
@@ -117,6 +123,70 @@ def bench_case(shape, dtype, provs, copy_gbs, *, reps=100, host=True):
         torch.cuda.empty_cache()
     del sets, expected
     torch.cuda.empty_cache()
+    return rows
+
+
+def call_forms(case="4096x4096:bf16", calls=100) -> list[dict]:
+    """Host time per repeated call in every form a user or bitsandbytes uses, for nf4 and each peer,
+    in batches alternating with an empty Triton JIT launch (each row: host_us beside jit_host_us).
+
+    Forms: the Linear4bit module; its Params4bit; packed + QuantState; a fresh `.view(-1, 1)` of the
+    packed storage on every call (what bitsandbytes' MatMul4Bit.backward passes); a weight at a new
+    address on every call (as FSDP all-gathers it; rotating among copies); a new QuantState object
+    every call (a shallow copy, whose cost every row includes; nf4's cache always misses); and, for
+nf4, packed + state with the plan cache turned off. Every
+    provider is checked bit-exact on the weight first.
+    """
+    import bitsandbytes as bnb
+
+    import nf4
+
+    shape, dtype = parse_case(case)
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(shape[1], shape[0], bias=False, compute_dtype=dtype, compress_statistics=True,
+                              quant_type="nf4").to("cuda")
+    w, qs = layer.weight, layer.weight.quant_state
+    qs.dtype = dtype
+    packed = w.data
+    expected = peers.bnb_dequantize(packed, qs)
+    copies = [(packed.clone(), qs) for _ in range(4)]  # new addresses, the same QuantState
+    no_plan = DequantConfig(plan=False)
+    funcs = {"nf4": lambda p, q: nf4.dequantize(p, q), "bnb.dequantize_4bit": peers.bnb_dequantize,
+             "unsloth_style": peers.unsloth_fast_dequantize}
+    if peers.unsloth_release() is not None:
+        funcs["unsloth.2026.10.9"] = peers.unsloth_release_dequantize
+    forms = {
+        "module": (lambda f: (lambda _: f(layer.weight, layer.weight.quant_state)), [None]),
+        "params4bit": (lambda f: (lambda _: f(w, w.quant_state)), [None]),
+        "packed + state": (lambda f: (lambda _: f(packed, qs)), [None]),
+        "fresh view": (lambda f: (lambda _: f(packed.view(-1, 1), qs)), [None]),
+        "new address": (lambda f: (lambda s: f(*s)), copies),
+        # a shallow copy per call (its cost is in every provider's row): nf4's cache always misses
+        "new QuantState": (lambda f: (lambda _: f(packed, copy.copy(qs))), [None]),
+    }
+    rows = []
+    jit = empty_jit_launch()
+    for fname, f in funcs.items():
+        got = f(packed, qs)
+        bad = bitexact_count(got, expected)
+        for form, (make, inputs) in forms.items():
+            call = make(f)
+            if fname == "nf4" and form == "module":
+                call = lambda _: nf4.dequantize(layer)  # noqa: E731 - nf4 takes the module itself
+            elif fname == "nf4" and form == "params4bit":
+                call = lambda _: nf4.dequantize(w)  # noqa: E731
+            row = {"case": case, "provider": fname, "form": form, "mismatches": bad}
+            if not bad:
+                h = timing.host_time_pair_us(call, inputs, jit, [None], calls=min(calls, len(inputs) * 50))
+                row["host_us"], row["jit_host_us"] = h["median_us"], h["ref_median_us"]
+            rows.append(row)
+            print(f"  host {fname:<20} {form:<16} {row.get('host_us', float('nan')):6.1f} us "
+                  f"(JIT launch {row.get('jit_host_us', float('nan')):5.1f})", flush=True)
+    h = timing.host_time_pair_us(lambda _: nf4.dequantize(packed, qs, config=no_plan), [None], jit, [None],
+                                 calls=calls)
+    rows.append({"case": case, "provider": "nf4", "form": "no plan cache (config plan=False)", "mismatches": 0,
+                 "host_us": h["median_us"], "jit_host_us": h["ref_median_us"]})
+    print(f"  host nf4 without plan cache {h['median_us']:6.1f} us (JIT launch {h['ref_median_us']:5.1f})", flush=True)
     return rows
 
 
@@ -182,6 +252,7 @@ def main(argv=None):
     ap.add_argument("--sweep-grid", type=json.loads, default=None,
                     help='JSON list of [tile_bytes, num_warps, codebook, store_cm] to sweep')
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--no-call-forms", action="store_true", help="skip the host-time table of call forms")
     ap.add_argument("--reps", type=int, default=100)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -204,6 +275,12 @@ def main(argv=None):
             print("  " + _fmt(r), flush=True)
     payload = {"env": env, "copy_bandwidth": copy, "empty_triton_launch": empty, "blocksize": 64,
                "double_quant": True, "rows": rows}
+    release = peers.unsloth_release()
+    payload["peers"] = {"bitsandbytes": env.get("bitsandbytes"),
+                        "unsloth.2026.10.9": release.provenance() if release is not None else peers.release_missing(),
+                        "unsloth_style": "re-implementation of Unsloth <= 2025's three-launch path (verify.peers)"}
+    if not args.no_call_forms:
+        payload["call_forms"] = call_forms()
     if args.sweep:
         grid = [tuple(g) for g in args.sweep_grid] if args.sweep_grid else None
         payload["sweep"] = sweep([parse_case(s) for s in args.sweep_shapes], copy["gbs"], grid=grid)

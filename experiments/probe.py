@@ -458,6 +458,7 @@ def host_parts(case="1024x1024:bf16") -> dict:
         return dequant_api.cached_plan(q)
 
     wrapper, direct, own = plan_with(False, False), plan_with(True, False), plan_with(True, True)
+    ptr = p.data_ptr()
     dequant_api.forget_plan(q)
     nf4.dequantize(p, q)  # the plan of a call without a config stays for the nf4.dequantize rows
     parts = {
@@ -465,16 +466,16 @@ def host_parts(case="1024x1024:bf16") -> dict:
         "driver cuLaunchKernel of an empty kernel (ctypes)": _driver_launch(),
         "python call of a no-op": lambda _: _noop(p, q),
         "torch.compiler.is_compiling()": lambda _: torch.compiler.is_compiling(),
-        "plan lookup + match": lambda _: dequant_api.cached_plan(q).matches(p, q),
+        "plan lookup + match": lambda _: (plan := dequant_api.cached_plan(q)).matches(q) and plan.packed_ptr(p),
         "torch.empty(shape, dtype=, device=)": lambda _: torch.empty(shp, dtype=dtype, device=dev),
         "torch.empty(shape, dtype=, device=index)": lambda _: torch.empty(shp, dtype=dtype, device=idx),
         "Tensor.new_empty(shape)": lambda _: tmpl.new_empty(shp),
         "current raw stream": lambda _: torch._C._cuda_getCurrentRawStream(idx),
-        "plan.run(out) via CompiledKernel.run": lambda _: wrapper.run(buf),
-        "plan.run(out) via the C launch function": lambda _: direct.run(buf),
-        "plan.run() via the C launch function": lambda _: direct.run(),
-        "plan.run(out) via nf4's own launch function": lambda _: own.run(buf),
-        "plan.run() via nf4's own launch function": lambda _: own.run(),
+        "plan.run(out) via CompiledKernel.run": lambda _: wrapper.run(ptr, False, buf),
+        "plan.run(out) via the C launch function": lambda _: direct.run(ptr, False, buf),
+        "plan.run() via the C launch function": lambda _: direct.run(ptr, False),
+        "plan.run(out) via nf4's own launch function": lambda _: own.run(ptr, False, buf),
+        "plan.run() via nf4's own launch function": lambda _: own.run(ptr, False),
         "nf4.dequantize(p, q, out=buf)": lambda _: nf4.dequantize(p, q, out=buf),
         "nf4.dequantize(p, q)": lambda _: nf4.dequantize(p, q),
     }

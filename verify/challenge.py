@@ -3,15 +3,19 @@
 An MLP of three `bnb.nn.Linear4bit` layers (nf4, compress_statistics=True, quant_storage=uint8,
 compute_dtype=dt), created in float32 and quantized when moved to the GPU, then each
 `weight.quant_state.dtype = dt`; forward = down(silu(gate(x)) * up(x)). Per configuration and
-implementation (each called as the puzzle calls its `fx(layer)`: on `layer.weight` and
-`layer.weight.quant_state`):
+implementation, called as the puzzle calls its candidate, `fx(layer)` with the `Linear4bit`
+module (so each candidate's own attribute access is inside the timed loop), and also as
+`fx(layer.weight, layer.weight.quant_state)` (the second table):
 
   check   the MLP forward with the dequantized weights (`F.linear`, and the puzzle's `x @ W.t()`)
           against the module's own forward (`torch.testing.assert_close`, dtype checked), and every
-          weight against the Unsloth-style baseline: the puzzle's assert_close (stride checked) and
-          bit for bit (a mismatch is judged by verify.known, like a matrix cell)
+          weight against the baseline: the puzzle's assert_close (stride checked) and bit for bit (a
+          mismatch is judged by verify.known, like a matrix cell)
   wall    `iters` iterations of the three weights, a `torch.cuda.synchronize()` after each call
-          (verify.timing.wall_time_us); speedup = baseline total / candidate total
+          (verify.timing.wall_time_us), in both call forms; speedup = baseline total / candidate
+          total, over two baselines: Unsloth 2026.10.9's own fast_dequantize (its Triton kernel, run
+          from the release's files, when they are here) and the legacy three-launch path
+          (Unsloth <= 2025 / its ctypes fallback, re-implemented in verify.peers)
   device  per weight: median CUDA-event time with rotating inputs, GB/s and % of the copy
           bandwidth measured once per run; host issue time per call
 
@@ -59,7 +63,9 @@ CONFIGS = (
     Config(5, 777, 1024, 4096, 3409, torch.bfloat16),
     Config(3, 2048, 4096, 14336, 3408, torch.bfloat16),
 )
-BASELINE = "unsloth"
+LEGACY = "unsloth"  # Unsloth <= 2025's three-launch path (its ctypes fallback today), re-implemented
+RELEASE = "unsloth.2026.10.9"  # the current release's fast_dequantize, run from its files
+BASELINE = RELEASE  # the puzzle's baseline: fast_dequantize as the current Unsloth release runs it
 LAYERS = ("up_proj", "gate_proj", "down_proj")  # the puzzle's mlp_dequantize order
 
 
@@ -122,6 +128,13 @@ def implementations(device: str, *, include_compile: bool = True, names=None) ->
         return nf4.dequantize(w, qs, out=buf)
 
     impls["nf4.out_buffer"] = (nf4_out_fn, nf4_out_fn)
+    if device == "cuda" and peers.unsloth_release() is not None:
+        impls[RELEASE] = (peers.unsloth_release_dequantize,) * 2
+
+        def release_global(w, qs):
+            return peers.unsloth_release_dequantize(w, qs, use_global_buffer=True)
+
+        impls[RELEASE + ".global_buffer"] = (release_global, release_global)
     if device == "cuda":
         impls["unsloth"] = (peers.unsloth_fast_dequantize,) * 2
 
@@ -281,8 +294,19 @@ def rotated_inputs(layer) -> tuple[list, int]:
     return inputs, nbytes
 
 
+def by_layer(name: str, fn):
+    """The candidate as the puzzle calls it, fx(layer): nf4 takes the module itself; a peer whose
+    signature is (weight, quant_state) reads them from the layer inside the call, as the puzzle's
+    baseline does."""
+    if name == "nf4":
+        import nf4
+
+        return nf4.dequantize
+    return lambda layer: fn(layer.weight, layer.weight.quant_state)
+
+
 def time_impl(name, timed_fn, mlp, iters: int, reps: int, copy_gbs: float | None, device: str) -> dict:
-    """Wall clock of the puzzle's loop, and per-weight device and host times."""
+    """Wall clock of the puzzle's loop in both call forms, and per-weight device and host times."""
     from .inductor import graph_count
 
     layers = [getattr(mlp, k) for k in LAYERS]
@@ -290,8 +314,11 @@ def time_impl(name, timed_fn, mlp, iters: int, reps: int, copy_gbs: float | None
     before = graph_count()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     # as the puzzle's mlp_dequantize: fx(layer).t(), then a synchronize, for up, gate, down
-    out = {"wall": timing.wall_time_us(lambda s: timed_fn(*s).t(), calls, iters=3 * iters, sync=sync)}
-    out["wall"]["total_s_per_1000_iters"] = out["wall"]["total_s"] * 1000 / iters
+    layer_fn = by_layer(name, timed_fn)
+    out = {"wall": timing.wall_time_us(lambda s: layer_fn(s).t(), layers, iters=3 * iters, sync=sync),
+           "wall_state_form": timing.wall_time_us(lambda s: timed_fn(*s).t(), calls, iters=3 * iters, sync=sync)}
+    for key in ("wall", "wall_state_form"):
+        out[key]["total_s_per_1000_iters"] = out[key]["total_s"] * 1000 / iters
     if device == "cuda":
         out["device"] = {}
         for k, lin in zip(LAYERS, layers, strict=True):
@@ -344,9 +371,12 @@ def run_config(cfg: Config, impls: dict, *, device: str = "cuda", iters: int = 1
         print(f"challenge {cfg.label}: {name}: {result['status']}"
               + (f", {result['wall']['per_call_us']:.1f} us/call wall" if "wall" in result else ""),
               file=sys.stderr, flush=True)
-    base_total = row["impls"].get(baseline, {}).get("wall", {}).get("total_s")
-    row["speedup"] = {name: base_total / r["wall"]["total_s"] for name, r in row["impls"].items()
-                      if base_total and "wall" in r}
+    for suffix, base, wall in (("", baseline, "wall"), ("_legacy", LEGACY, "wall"),
+                               ("_state_form", baseline, "wall_state_form"),
+                               ("_state_form_legacy", LEGACY, "wall_state_form")):
+        base_total = row["impls"].get(base, {}).get(wall, {}).get("total_s")
+        row["speedup" + suffix] = {name: base_total / r[wall]["total_s"] for name, r in row["impls"].items()
+                                   if base_total and wall in r}
     del mlp, x, expected_y, baseline_w
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -362,11 +392,19 @@ def run(*, configs=None, iters: int = 1000, reps: int = 100, include_compile: bo
 
         impls_mod.set_compile_save_dir(save_dir, only_if_unset=True)
     impls = implementations(device, include_compile=include_compile, names=names)
+    if baseline not in impls and baseline == RELEASE and LEGACY in impls:
+        print(f"challenge: {RELEASE} is not here ({peers.release_missing()}); the baseline is the legacy path",
+              file=sys.stderr)
+        baseline = LEGACY
     if baseline not in impls:
         raise ValueError(f"baseline {baseline!r} is not among the implementations {list(impls)}")
     copy_bw = timing.copy_bandwidth_gbs() if device == "cuda" and timing_on else None
-    payload = {"env": timing.environment(), "baseline": baseline, "iters": iters, "reps": reps,
-               "copy_bandwidth": copy_bw, "configs": []}
+    release = peers.unsloth_release()
+    payload = {"env": timing.environment(), "baseline": baseline, "legacy_baseline": LEGACY, "iters": iters,
+               "reps": reps, "copy_bandwidth": copy_bw, "call_form": "fx(layer); second table fx(weight, quant_state)",
+               "peers": {RELEASE: release.provenance() if release is not None else peers.release_missing(),
+                         LEGACY: "re-implementation of Unsloth <= 2025's three-launch path (verify.peers)"},
+               "configs": []}
     for cfg in chosen:
         try:
             row = run_config(cfg, impls, device=device, iters=iters, reps=reps, baseline=baseline,
@@ -379,6 +417,9 @@ def run(*, configs=None, iters: int = 1000, reps: int = 100, include_compile: bo
                 torch.cuda.empty_cache()
         payload["configs"].append(row)
     payload["overall"] = _overall(payload["configs"], baseline)
+    payload["overall_legacy"] = _overall(payload["configs"], LEGACY)
+    payload["overall_state_form"] = _overall(payload["configs"], baseline, "wall_state_form")
+    payload["overall_state_form_legacy"] = _overall(payload["configs"], LEGACY, "wall_state_form")
     failures = [f"{c['config']['label']}: {n}: {r['status']}" for c in payload["configs"]
                 for n, r in c["impls"].items() if r["status"] in ("fail", "error")]
     failures += [f"{c['config']['label']}: {k}: assert_correct_bnb: {', '.join(p)}" for c in payload["configs"]
@@ -396,12 +437,12 @@ def _compile_peers():
     return list(peers_by_fusion.values())
 
 
-def _overall(rows: list[dict], baseline: str) -> dict:
+def _overall(rows: list[dict], baseline: str, wall: str = "wall") -> dict:
     """Total wall time over the configurations per implementation, and the speedup of the totals."""
     names = list(dict.fromkeys(n for r in rows for n in r["impls"]))
     totals = {}
     for name in names:
-        times = [r["impls"].get(name, {}).get("wall", {}).get("total_s") for r in rows]
+        times = [r["impls"].get(name, {}).get(wall, {}).get("total_s") for r in rows]
         if all(t is not None for t in times):
             totals[name] = sum(times)
     base = totals.get(baseline)
@@ -427,10 +468,15 @@ def table(payload: dict) -> str:
             else:
                 cells.append(res.get("status", "-").upper())
         lines.append(f"| {r['config']['label']} | " + " | ".join(cells) + " |")
-    overall = payload.get("overall", {})
-    lines.append("| overall | " + " | ".join(
-        f"{overall[n]['total_s']:.3f} s ({overall[n]['speedup']:.2f}x)" if n in overall and overall[n]["speedup"]
-        else "-" for n in names) + " |")
+    for key, label in (("overall", f"overall vs {payload['baseline']}"),
+                       ("overall_legacy", f"overall vs {payload.get('legacy_baseline', LEGACY)} (legacy)"),
+                       ("overall_state_form", "fx(w, qs) overall vs " + payload["baseline"]),
+                       ("overall_state_form_legacy", "fx(w, qs) overall vs legacy")):
+        overall = payload.get(key) or {}
+        if overall:
+            lines.append(f"| {label} | " + " | ".join(
+                f"{overall[n]['total_s']:.3f} s ({overall[n]['speedup']:.2f}x)"
+                if n in overall and overall[n]["speedup"] else "-" for n in names) + " |")
     dev_rows = [(r, k) for r in rows for k in LAYERS]
     if any("device" in res for r in rows for res in r["impls"].values()):
         bw = payload.get("copy_bandwidth") or {}

@@ -32,6 +32,7 @@ class Impl:
     needs_double_quant: bool = False
     half_outputs_only: bool = False  # Unsloth's kernels write fp16 or bf16 only
     compile_subset: bool = False  # runs only on cases flagged `compile` (each is a compilation)
+    two_d_only: bool = False  # sizes its buffers from shape[0] * shape[1] (Unsloth's global buffer)
     unavailable: Callable[[], str | None] = lambda: None  # why it cannot run in this environment
 
     def not_applicable(self, case: Case, device: str) -> str | None:
@@ -42,6 +43,8 @@ class Impl:
             return "needs double quantization (state2)"
         if self.half_outputs_only and case.out_dtype == torch.float32:
             return "writes fp16/bf16 only (fp32 would get the bf16 kernel's bytes)"
+        if self.two_d_only and len(case.shape) != 2:
+            return "sizes its output buffer as shape[0] * shape[1]: 2-D weights only"
         return None
 
 
@@ -78,6 +81,15 @@ def _unsloth(packed, qs):
 
 def _unsloth_global(packed, qs):
     return peers.unsloth_fast_dequantize(packed, qs, use_global_buffer=True)
+
+
+def _release(packed, qs):
+    return peers.unsloth_release_dequantize(packed, qs)
+
+
+def _release_global(packed, qs):
+    # the release hands back its shared scratch buffer: copy it, as the next call overwrites it
+    return peers.unsloth_release_dequantize(packed, qs, use_global_buffer=True).clone()
 
 
 _compile_peers: dict = {}
@@ -141,10 +153,15 @@ IMPLEMENTATIONS: dict[str, Impl] = {
         Impl("bnb.triton", "bitsandbytes' own Triton kernel (kernels_4bit.dequantize_4bit_impl), called directly",
              ("cpu", "cuda"), peers.bnb_triton_dequantize),
         Impl("nf4", "nf4.dequantize (Triton interpreter on CPU, compiled on CUDA)", ("cpu", "cuda"), _nf4),
-        Impl("unsloth", "Unsloth-style fast_dequantize (bitsandbytes CUDA kernels, 3 launches)", ("cuda",), _unsloth,
-             needs_double_quant=True, half_outputs_only=True),
-        Impl("unsloth.global_buffer", "Unsloth-style fast_dequantize, use_global_buffer=True", ("cuda",),
+        Impl("unsloth", "Unsloth <= 2025 fast_dequantize / its ctypes fallback (re-implemented in verify.peers: "
+             "bitsandbytes CUDA kernels, 3 launches)", ("cuda",), _unsloth, needs_double_quant=True,
+             half_outputs_only=True),
+        Impl("unsloth.global_buffer", "the same legacy path, use_global_buffer=True", ("cuda",),
              _unsloth_global, needs_double_quant=True, half_outputs_only=True),
+        Impl("unsloth.2026.10.9", "Unsloth 2026.10.9 fast_dequantize (its one-launch Triton dequantize_nf4, run from "
+             "the release's files)", ("cuda",), _release, unavailable=peers.release_missing),
+        Impl("unsloth.2026.10.9.global_buffer", "Unsloth 2026.10.9 fast_dequantize, use_global_buffer=True",
+             ("cuda",), _release_global, two_d_only=True, unavailable=peers.release_missing),
         Impl("torch.compile", "torch.compile(verify.peers.torch_dequantize), inductor defaults", ("cuda",), _compiled,
              needs_double_quant=True, compile_subset=True),
         Impl("torch.compile.no_fp_fusion", "the same under inductor emulate_precision_casts=True (enable_fp_fusion "

@@ -79,8 +79,39 @@ def _bnb_lib():
     return lib
 
 
+_RELEASE: list = []  # [Release] once loaded, [reason] when it cannot be
+
+
+def unsloth_release():
+    """The released Unsloth (verify.unsloth_release.load()), or None when it is not here (see release_missing)."""
+    if not _RELEASE:
+        try:
+            from . import unsloth_release
+
+            _RELEASE.append(unsloth_release.load())
+        except Exception as exc:  # not fetched, hashes differ, a torch that cannot import it
+            _RELEASE.append(f"{type(exc).__name__}: {exc}"[:400])
+    return _RELEASE[0] if not isinstance(_RELEASE[0], str) else None
+
+
+def release_missing() -> str | None:
+    """Why the released Unsloth cannot run here (None when it can)."""
+    unsloth_release()
+    return _RELEASE[0] if isinstance(_RELEASE[0], str) else None
+
+
+def unsloth_release_dequantize(W, quant_state, out=None, use_global_buffer=False):
+    """Unsloth 2026.10.9's own `fast_dequantize` for NF4 on CUDA (its one-launch Triton kernel), run from
+    the release's files (verify.unsloth_release)."""
+    release = unsloth_release()
+    if release is None:
+        raise RuntimeError(f"the Unsloth release is not available: {release_missing()}")
+    return release.fast_dequantize(W, quant_state, out=out, use_global_buffer=use_global_buffer)
+
+
 def unsloth_fast_dequantize(W, quant_state, out=None, use_global_buffer=False):
-    """Unsloth's legacy three-launch `fast_dequantize`, as docs/FORMAT.md §7 describes it (CUDA only).
+    """Unsloth <= 2025's three-launch `fast_dequantize` (today its ctypes fallback), re-implemented here
+    as docs/FORMAT.md §7 describes it (CUDA only): the legacy path, kept as history.
 
     Three launches, two allocations: bitsandbytes' 8-bit blockwise kernel recovers the absmax
     into a float32 buffer, a torch op adds the offset, bitsandbytes' NF4 kernel writes the

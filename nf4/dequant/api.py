@@ -33,12 +33,16 @@ _device_names: dict[int, str] = {}
 
 
 class _Plan:
-    """A validated (packed, quant_state) with its bound launch, for the fast repeat call.
+    """A validated QuantState with its bound launch, for the fast repeat call.
 
-    Holds the exact objects it validated; a later call reuses it only if the caller passes the
-    same packed tensor and the quant_state still holds the same tensors, shape, dtype and
-    blocksize. Then a call costs one allocation and one launch, skipping the Python-level checks
-    and Triton's JIT dispatch (`bound`: nf4.runtime.bind, rebinding the output pointer).
+    Keyed by the QuantState object; it holds that state's tensors (alive as long as the state is)
+    and never the packed weight, so it keeps no freed weight alive. A call reuses it when the state
+    still holds the same tensors, shape, dtype and blocksize, and the packed tensor it is handed has
+    the validated byte count, dtype, device, contiguity and pointer alignment (mod 16): any view of
+    the same bytes, a `.t()`, a Params4bit, or a weight re-allocated at a new address (FSDP) takes
+    it. The packed and output pointers are passed anew on every launch (`bound`: nf4.runtime.bind
+    rebinding `packed_ptr` and `out_ptr`), so nothing stale is ever served: the kernel reads the
+    bytes that are there at launch time.
     """
 
     __slots__ = (
@@ -51,40 +55,55 @@ class _Plan:
         "dtype",
         "grid_x",
         "offset",
-        "out_ptr",
-        "out_ref",
-        "packed",
-        "packed_ptr",
-        "plain",
+        "out_dtype",
+        "packed_dtype",
+        "packed_numel",
+        "ptr_mod",
         "shape",
         "state2",
         "state2_absmax",
         "template",
-        "transpose",
     )
 
-    def matches(self, packed, qs) -> bool:
-        if not (packed is self.packed and qs.absmax is self.absmax and qs.shape is self.shape
-                and qs.dtype is self.dtype and qs.state2 is self.state2 and qs.offset is self.offset
-                and qs.blocksize == self.blocksize
-                and (self.state2 is None or self.state2.absmax is self.state2_absmax)):
-            return False
-        if self.plain:
-            return packed.data_ptr() == self.packed_ptr
-        # A tensor subclass with its own __torch_function__ (bitsandbytes' Params4bit) turns every
-        # method call into a Python dispatch, several times the cost of the call itself.
-        with _NO_TORCH_FUNCTION():
-            return packed.data_ptr() == self.packed_ptr
+    def matches(self, qs) -> bool:
+        """The QuantState still holds what was validated."""
+        return (qs.absmax is self.absmax and qs.shape is self.shape and qs.dtype is self.dtype
+                and qs.state2 is self.state2 and qs.offset is self.offset and qs.blocksize == self.blocksize
+                and (self.state2 is None or self.state2.absmax is self.state2_absmax))
 
-    def run(self, out=None, out_ptr=None) -> torch.Tensor:
-        """Launch into `out` (allocated when None); out_ptr: its data_ptr() when the caller has it already."""
+    def packed_ptr(self, packed) -> int:
+        """The packed tensor's data pointer when it fits this plan, else -1; negated minus one (-ptr - 1)
+        when the packed tensor is a row (shape[0] == 1), whose result is returned transposed."""
+        if type(packed) is not torch.Tensor:
+            if not isinstance(packed, torch.Tensor):
+                return -1
+            # A tensor subclass with its own __torch_function__ (bitsandbytes' Params4bit) turns every
+            # method call into a Python dispatch, several times the cost of the call itself.
+            with _NO_TORCH_FUNCTION():
+                return self._ptr(packed)
+        return self._ptr(packed)
+
+    def _ptr(self, packed) -> int:
+        if (packed.dtype is not self.packed_dtype or packed.numel() != self.packed_numel
+                or packed.get_device() != self.device_index or not packed.is_contiguous()):
+            return -1
+        ptr = packed.data_ptr()
+        if ptr % 16 != self.ptr_mod:
+            return -1
+        return -ptr - 1 if packed.shape[0] == 1 else ptr
+
+    def fits_out(self, out) -> bool:
+        """A caller's `out` the kernel can write: the plan's shape, dtype and device, contiguous."""
+        return (type(out) is torch.Tensor and out.dtype is self.out_dtype and out.shape == self.shape
+                and out.get_device() == self.device_index and out.is_contiguous())
+
+    def run(self, packed_ptr: int, transpose: bool, out=None) -> torch.Tensor:
+        """Launch on the packed bytes at packed_ptr into `out` (allocated when None)."""
         if out is None:
             out = self.template.new_empty(self.shape)  # cheaper to call than torch.empty(shape, dtype=, device=)
-        if out_ptr is None:
-            out_ptr = out.data_ptr()
         bound = self.bound
-        bound.fn(bound.ctx, _raw_stream(self.device_index), out_ptr)
-        return out.t() if self.transpose else out
+        bound.fn(bound.ctx, _raw_stream(self.device_index), packed_ptr, out.data_ptr())
+        return out.t() if transpose else out
 
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
@@ -101,40 +120,29 @@ def forget_plan(quant_state) -> None:
     _plans.pop(id(quant_state), None)
 
 
-def _no_out() -> None:
-    """Stands in for a weak reference when the plan was made without an `out` (matches no tensor)."""
-    return None
-
-
-def _make_plan(packed, qs, compiled, args, grid_x, out_dtype, config, fresh_out=True, asked=None) -> None:
-    """Remember a validated call so the next identical one can skip straight to the launcher."""
+def _make_plan(packed, qs, compiled, args, grid_x, config, asked=None) -> None:
+    """Remember a validated call so the next one with this QuantState can skip straight to the launcher."""
     if runtime.hooks_active():
         return  # profiling hooks want the full path
-    out = args["out_ptr"]
     old = _plans.get(id(qs))
     if (old is not None and old.compiled is compiled and old.grid_x == grid_x and old.config is asked
-            and old.matches(packed, qs)
-            and (old.out_ref is _no_out if fresh_out
-                 else old.out_ref() is out and old.out_ptr == out.data_ptr())):
+            and old.matches(qs) and old.packed_ptr(packed) != -1):
         return  # the same plan again (a caller that passes ftz or out on every call)
+    out = args["out_ptr"]
     plan = _Plan()
     plan.compiled, plan.config = compiled, asked  # asked: the config the caller passed (None: tuned)
-    plan.packed, plan.absmax, plan.shape, plan.dtype = packed, qs.absmax, qs.shape, qs.dtype
+    plan.absmax, plan.shape, plan.dtype = qs.absmax, qs.shape, qs.dtype
     plan.state2 = getattr(qs, "state2", None) if getattr(qs, "nested", False) else None
     plan.offset = getattr(qs, "offset", None) if plan.state2 is not None else None
     plan.state2_absmax = plan.state2.absmax if plan.state2 is not None else None
-    plan.packed_ptr = packed.data_ptr()
-    plan.plain = (type(packed) is torch.Tensor
-                  or type(packed).__torch_function__ is torch._C._disabled_torch_function_impl)
+    plan.packed_dtype, plan.packed_numel = packed.dtype, packed.numel()
+    plan.ptr_mod = packed.data_ptr() % 16
     plan.device_index = packed.device.index
-    plan.template = torch.empty(0, dtype=out_dtype, device=packed.device)
-    plan.transpose = packed.shape[0] == 1
+    plan.out_dtype = out.dtype
+    plan.template = torch.empty(0, dtype=out.dtype, device=packed.device)
     plan.grid_x, plan.blocksize = grid_x, qs.blocksize
-    plan.bound = runtime.bind(compiled, nf4_dequantize_kernel, (grid_x,), args, ("out_ptr",), plan.device_index,
-                              native=config.native_launch, direct=config.direct_launch)
-    # An `out` the caller passed was checked: remember it (weakly) so reusing it stays on the fast path.
-    plan.out_ref = weakref.ref(out) if not fresh_out else _no_out
-    plan.out_ptr = out.data_ptr()
+    plan.bound = runtime.bind(compiled, nf4_dequantize_kernel, (grid_x,), args, ("packed_ptr", "out_ptr"),
+                              plan.device_index, native=config.native_launch, direct=config.direct_launch)
     key = id(qs)
     if key not in _plans:
         weakref.finalize(qs, _plans.pop, key, None)
@@ -277,7 +285,7 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
 
     config: the meta-parameters (default: the tuned table's choice for this device and size).
     `DequantConfig(fp_fusion=True)` lets the compiler contract multiply-adds into FMAs (not
-    bit-exact; never used by `dequantize`). plan_for: (packed, quant_state, fresh_out) to remember
+    bit-exact; never used by `dequantize`). plan_for: (packed, quant_state) to remember
     this launch for the fast repeat call.
     """
     device = packed.device
@@ -317,8 +325,8 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     }  # fmt: skip
     compiled = runtime.launch(nf4_dequantize_kernel, grid, args, device=device, num_warps=num_warps,
                               enable_fp_fusion=config.fp_fusion)
-    if plan_for is not None and compiled is not None and not config.fp_fusion:
-        _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], out.dtype, config, plan_for[2], asked)
+    if plan_for is not None and compiled is not None and not config.fp_fusion and config.plan:
+        _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], config, asked)
     return out
 
 
@@ -338,22 +346,29 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
     `shape[0] == 1` (as bitsandbytes and Unsloth do). Inputs are never modified.
     """
     # Plans exist only for CUDA tensors with ftz on (the CUDA default), so an explicit ftz=True may use one.
-    if dtype is None and (ftz is None or ftz is True) and quant_state is not None and not torch.compiler.is_compiling():
-        plan = _plans.get(id(quant_state))
-        if plan is not None and plan.config is config and plan.matches(weight, quant_state):
-            if out is None:
-                return plan.run()
-            if plan.out_ref() is out and out.shape == plan.shape:
-                out_ptr = out.data_ptr()
-                if out_ptr == plan.out_ptr:
-                    return plan.run(out, out_ptr)
+    if dtype is None and (ftz is None or ftz is True) and not torch.compiler.is_compiling():
+        packed, qs = weight, quant_state
+        if qs is None:  # a Linear4bit (its weight) or a Params4bit (its quant_state)
+            if not isinstance(packed, torch.Tensor):
+                packed = getattr(packed, "weight", None)
+            qs = getattr(packed, "quant_state", None)
+        plan = _plans.get(id(qs))
+        if plan is not None and plan.config is config and plan.matches(qs):
+            ptr = plan.packed_ptr(packed)
+            if ptr != -1:
+                transpose = ptr < 0
+                if transpose:
+                    ptr = -ptr - 1
+                if out is None:
+                    return plan.run(ptr, transpose)
+                if plan.fits_out(out):
+                    return plan.run(ptr, transpose, out)
     packed, qs = _unpack_module(weight, quant_state)
     shape, n, _, blocksize, out_dtype, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, dtype)
     device = packed.device
     if ftz is None:
         ftz = device.type == "cuda"
-    fresh_out = out is None
-    if fresh_out:
+    if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
     else:
         _check_out(out, shape, out_dtype, device)
@@ -362,8 +377,7 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
 
         out = dequantize_op(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)  # tuned config
     else:
-        plan_for = (packed, qs, fresh_out) if (quant_state is not None and dtype is None
-                                               and ftz == (device.type == "cuda")) else None
+        plan_for = (packed, qs) if dtype is None and ftz == (device.type == "cuda") else None
         launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, config=config, plan_for=plan_for)
     if packed.shape[0] == 1:
         return out.t()

@@ -25,6 +25,7 @@ class DequantConfig:
     programs_per_sm: int = 0
     interpret_programs: int = 3
     fp_fusion: bool = False  # True lets the compiler contract multiply-adds (not bit-exact; experiments only)
+    plan: bool = True  # remember a validated call, so that the next one with its QuantState skips the checks
     native_launch: bool = True  # repeat calls through nf4's own C launch function where it applies
     direct_launch: bool = True  # else through Triton's C launch function (not its Python wrapper)
 

@@ -456,12 +456,108 @@ def test_fast_path_params4bit_and_data_swap(nf4h):
     for i in range(3):
         assert_bitexact(nf4.dequantize(w, qs), expected, name=f"Params4bit call {i}")
     plan = dequant_api.cached_plan(qs)
-    assert not plan.plain and plan.matches(w, qs)
+    assert plan.matches(qs) and plan.packed_ptr(w) == w.data.data_ptr()
     swapped = torch.randint(0, 256, w.data.shape, dtype=torch.uint8, device=CUDA,
                             generator=torch.Generator(device=CUDA).manual_seed(1))
     w.data = swapped
-    assert not plan.matches(w, qs)
+    assert plan.matches(qs) and plan.packed_ptr(w) == swapped.data_ptr()  # same plan, the new bytes
     expected_swapped = _bnb(swapped, qs)
     assert not torch.equal(expected_swapped.view(torch.int16), expected.view(torch.int16))
     for i in range(2):
         assert_bitexact(nf4.dequantize(w, qs), expected_swapped, name=f"after the data swap, call {i}")
+
+
+def _layer(nf4h, key, in_features=333, out_features=129, dtype=torch.bfloat16):
+    import bitsandbytes as bnb
+
+    torch.manual_seed(nf4h.case_seed(key))
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=dtype, compress_statistics=True,
+                              quant_type="nf4", quant_storage=torch.uint8).to(CUDA)
+    layer.weight.quant_state.dtype = dtype
+    return layer
+
+
+def test_every_call_form_takes_one_plan_and_stays_exact(nf4h):
+    """The module, its Params4bit, packed + QuantState, a fresh view every call (bitsandbytes' backward
+    passes `B.view(-1, 1)`), a `.t()` of the packed storage (result transposed, as bitsandbytes does)
+    and out= into any fitting buffer all reuse the one plan of the QuantState."""
+    layer = _layer(nf4h, "call-forms")
+    w, qs = layer.weight, layer.weight.quant_state
+    expected = _bnb(w.data, qs)
+    assert_bitexact(nf4.dequantize(layer), expected, name="first call (the module)")
+    plan = dequant_api.cached_plan(qs)
+    assert plan is not None
+    forms = {
+        "module": lambda: nf4.dequantize(layer),
+        "params4bit": lambda: nf4.dequantize(w),
+        "packed + state": lambda: nf4.dequantize(w.data, qs),
+        "fresh view": lambda: nf4.dequantize(w.data.view(-1, 1), qs),
+        "fresh view, Params4bit": lambda: nf4.dequantize(w.view(-1, 1), qs),
+    }
+    for name, call in forms.items():
+        for i in range(2):
+            assert_bitexact(call(), expected, name=f"{name}, call {i}")
+            assert dequant_api.cached_plan(qs) is plan, name
+    row = nf4.dequantize(w.data.t(), qs)  # a (1, k) packed tensor: bitsandbytes returns the transpose
+    assert_bitexact(row, _bnb(w.data.t(), qs), name=".t() of the packed storage")
+    buf, out = nf4h.poisoned_out(tuple(qs.shape), torch.bfloat16, CUDA, lead=2)
+    for i in range(2):
+        nf4h.poison(buf)
+        assert nf4.dequantize(w.data.view(-1, 1), qs, out=out) is out
+        assert_bitexact(out, expected, name=f"out= into a caller's buffer, call {i}")
+        nf4h.assert_poison_intact(buf, 2, 2 + out.numel())
+    assert dequant_api.cached_plan(qs) is plan
+
+
+def test_plan_reads_the_bytes_of_each_call_and_never_serves_a_stale_weight(nf4h):
+    """A weight re-allocated at a new address each call (FSDP), bytes changed in place, a QuantState
+    tensor replaced or mutated: every call dequantizes what is there now."""
+    layer = _layer(nf4h, "stale")
+    w, qs = layer.weight, layer.weight.quant_state
+    packed = w.data
+    nf4.dequantize(packed, qs)
+    for i in range(3):  # a new allocation, new bytes, every call
+        moved = torch.randint(0, 256, packed.shape, dtype=torch.uint8, device=CUDA,
+                              generator=torch.Generator(device=CUDA).manual_seed(10 + i))
+        assert_bitexact(nf4.dequantize(moved, qs), _bnb(moved, qs), name=f"re-allocated weight {i}")
+        del moved
+    packed.copy_(torch.randint(0, 256, packed.shape, dtype=torch.uint8, device=CUDA,
+                               generator=torch.Generator(device=CUDA).manual_seed(20)))
+    assert_bitexact(nf4.dequantize(packed, qs), _bnb(packed, qs), name="bytes changed in place")
+    qs.absmax.copy_(torch.roll(qs.absmax, 1))  # mutated in place
+    assert_bitexact(nf4.dequantize(packed, qs), _bnb(packed, qs), name="absmax mutated in place")
+    plan = dequant_api.cached_plan(qs)
+    qs.absmax = qs.absmax.flip(0).contiguous()  # replaced: the plan no longer matches
+    assert not plan.matches(qs)
+    assert_bitexact(nf4.dequantize(packed, qs), _bnb(packed, qs), name="absmax replaced")
+    qs.state2.absmax.mul_(2)
+    assert_bitexact(nf4.dequantize(packed, qs), _bnb(packed, qs), name="state2.absmax mutated")
+    misaligned = torch.empty(packed.numel() + 1, dtype=torch.uint8, device=CUDA)[1:].view(-1, 1)
+    misaligned.copy_(packed)
+    assert_bitexact(nf4.dequantize(misaligned, qs), _bnb(packed, qs), name="misaligned copy (another plan)")
+
+
+def test_cache_keeps_no_freed_weight_or_state_alive(nf4h):
+    """The plan holds neither the packed weight nor the QuantState: both die with the layer."""
+    import gc
+    import weakref
+
+    layer = _layer(nf4h, "alive")
+    for _ in range(2):
+        nf4.dequantize(layer)
+    packed_ref = weakref.ref(layer.weight)
+    state_ref = weakref.ref(layer.weight.quant_state)
+    del layer
+    gc.collect()
+    assert packed_ref() is None, "a cache keeps the freed weight alive"
+    assert state_ref() is None, "a cache keeps the freed QuantState alive"
+
+
+def test_a_fresh_quant_state_every_call_is_exact(nf4h):
+    """A new QuantState object (same tensors) on every call: every call a miss, every result exact."""
+    layer = _layer(nf4h, "fresh-state")
+    w, qs = layer.weight, layer.weight.quant_state
+    expected = _bnb(w.data, qs)
+    for i in range(3):
+        fresh = nf4h.clone_state(qs)
+        assert_bitexact(nf4.dequantize(w.data, fresh), expected, name=f"fresh state {i}")
