@@ -29,6 +29,8 @@ _INT32_LIMIT = 2**31 - 1
 _code_cache: dict[tuple, torch.Tensor] = {}
 _dummy_cache: dict[torch.device, torch.Tensor] = {}
 _plans: dict[int, _Plan] = {}
+_seen: dict[int, weakref.ref] = {}  # QuantStates that took the full path once (a plan is made the second time)
+_SEEN_LIMIT = 4096
 _device_names: dict[int, str] = {}
 
 
@@ -55,6 +57,7 @@ class _Plan:
         "dtype",
         "grid_x",
         "offset",
+        "out_aligned",
         "out_dtype",
         "packed_dtype",
         "packed_numel",
@@ -93,9 +96,11 @@ class _Plan:
         return -ptr - 1 if packed.shape[0] == 1 else ptr
 
     def fits_out(self, out) -> bool:
-        """A caller's `out` the kernel can write: the plan's shape, dtype and device, contiguous."""
+        """A caller's `out` the kernel can write: the plan's shape, dtype and device, contiguous, and
+        16-byte aligned where the compiled kernel assumes it (a fresh allocation always is)."""
         return (type(out) is torch.Tensor and out.dtype is self.out_dtype and out.shape == self.shape
-                and out.get_device() == self.device_index and out.is_contiguous())
+                and out.get_device() == self.device_index and out.is_contiguous()
+                and (not self.out_aligned or out.data_ptr() % 16 == 0))
 
     def run(self, packed_ptr: int, transpose: bool, out=None) -> torch.Tensor:
         """Launch on the packed bytes at packed_ptr into `out` (allocated when None)."""
@@ -116,15 +121,29 @@ def cached_plan(quant_state) -> _Plan | None:
 
 
 def forget_plan(quant_state) -> None:
-    """Drop the plan kept for `quant_state`; the next call takes the full path (tests and the probe)."""
+    """Drop the plan kept for `quant_state`; the next two calls take the full path (tests and the probe)."""
     _plans.pop(id(quant_state), None)
+    _seen.pop(id(quant_state), None)
 
 
 def _make_plan(packed, qs, compiled, args, grid_x, config, asked=None) -> None:
-    """Remember a validated call so the next one with this QuantState can skip straight to the launcher."""
+    """Remember a validated call so the next one with this QuantState can skip straight to the launcher.
+
+    A plan is made the second time a QuantState takes the full path, so that a caller handing a new
+    QuantState to every call pays no more than a call without the cache (one weak reference).
+    """
     if runtime.hooks_active():
         return  # profiling hooks want the full path
-    old = _plans.get(id(qs))
+    key = id(qs)
+    old = _plans.get(key)
+    if old is None:
+        seen = _seen.get(key)
+        if seen is None or seen() is not qs:
+            if len(_seen) >= _SEEN_LIMIT:
+                _seen.clear()
+            _seen[key] = weakref.ref(qs)
+            return
+        del _seen[key]
     if (old is not None and old.compiled is compiled and old.grid_x == grid_x and old.config is asked
             and old.matches(qs) and old.packed_ptr(packed) != -1):
         return  # the same plan again (a caller that passes ftz or out on every call)
@@ -139,11 +158,11 @@ def _make_plan(packed, qs, compiled, args, grid_x, config, asked=None) -> None:
     plan.ptr_mod = packed.data_ptr() % 16
     plan.device_index = packed.device.index
     plan.out_dtype = out.dtype
+    plan.out_aligned = out.data_ptr() % 16 == 0  # the kernel was specialised on it
     plan.template = torch.empty(0, dtype=out.dtype, device=packed.device)
     plan.grid_x, plan.blocksize = grid_x, qs.blocksize
     plan.bound = runtime.bind(compiled, nf4_dequantize_kernel, (grid_x,), args, ("packed_ptr", "out_ptr"),
                               plan.device_index, native=config.native_launch, direct=config.direct_launch)
-    key = id(qs)
     if key not in _plans:
         weakref.finalize(qs, _plans.pop, key, None)
     _plans[key] = plan

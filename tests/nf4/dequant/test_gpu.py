@@ -387,6 +387,8 @@ def test_explicit_ftz_true_takes_the_fast_path_and_keeps_one_plan(nf4h):
     expected = _bnb(packed, state)
     buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=3)
     nf4.dequantize(packed, state, out=out, ftz=True)
+    assert dequant_api.cached_plan(state) is None  # a plan is made the second time a state takes the full path
+    nf4.dequantize(packed, state, out=out, ftz=True)
     plan = dequant_api.cached_plan(state)
     runs = []
     inner = plan.bound
@@ -484,7 +486,8 @@ def test_every_call_form_takes_one_plan_and_stays_exact(nf4h):
     layer = _layer(nf4h, "call-forms")
     w, qs = layer.weight, layer.weight.quant_state
     expected = _bnb(w.data, qs)
-    assert_bitexact(nf4.dequantize(layer), expected, name="first call (the module)")
+    for i in range(2):
+        assert_bitexact(nf4.dequantize(layer), expected, name=f"call {i} (the module): full path")
     plan = dequant_api.cached_plan(qs)
     assert plan is not None
     forms = {

@@ -66,7 +66,7 @@ def test_sanitizer_is_clean(tool):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     # only nf4's kernel is judged (bitsandbytes' kernels, which compute the expected values, are not ours)
     cmd = [TOOL, "--tool", tool, "--error-exitcode", "9", "--target-processes", "all",
-           "--kernel-regex", "kns=nf4_dequantize_kernel"]
+           "--kernel-name", "kns=nf4_dequantize_kernel"]
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
     proc = subprocess.run([*cmd, sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
