@@ -503,13 +503,19 @@ def test_every_call_form_takes_one_plan_and_stays_exact(nf4h):
             assert dequant_api.cached_plan(qs) is plan, name
     row = nf4.dequantize(w.data.t(), qs)  # a (1, k) packed tensor: bitsandbytes returns the transpose
     assert_bitexact(row, _bnb(w.data.t(), qs), name=".t() of the packed storage")
-    buf, out = nf4h.poisoned_out(tuple(qs.shape), torch.bfloat16, CUDA, lead=2)
+    buf, out = nf4h.poisoned_out(tuple(qs.shape), torch.bfloat16, CUDA, lead=8)  # 16-byte aligned
     for i in range(2):
         nf4h.poison(buf)
         assert nf4.dequantize(w.data.view(-1, 1), qs, out=out) is out
         assert_bitexact(out, expected, name=f"out= into a caller's buffer, call {i}")
-        nf4h.assert_poison_intact(buf, 2, 2 + out.numel())
+        nf4h.assert_poison_intact(buf, 8, 8 + out.numel())
     assert dequant_api.cached_plan(qs) is plan
+    buf, out = nf4h.poisoned_out(tuple(qs.shape), torch.bfloat16, CUDA, lead=1)  # not 16-byte aligned
+    for i in range(3):  # the plan's kernel assumes an aligned out: the full path, then a plan of its own
+        nf4h.poison(buf)
+        assert nf4.dequantize(w.data, qs, out=out) is out
+        assert_bitexact(out, expected, name=f"out= into a misaligned buffer, call {i}")
+        nf4h.assert_poison_intact(buf, 1, 1 + out.numel())
 
 
 def test_plan_reads_the_bytes_of_each_call_and_never_serves_a_stale_weight(nf4h):
