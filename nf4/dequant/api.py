@@ -132,8 +132,6 @@ def _make_plan(packed, qs, compiled, args, grid_x, config, asked=None) -> None:
     A plan is made the second time a QuantState takes the full path, so that a caller handing a new
     QuantState to every call pays no more than a call without the cache (one weak reference).
     """
-    if runtime.hooks_active():
-        return  # profiling hooks want the full path
     key = id(qs)
     old = _plans.get(key)
     if old is None:
@@ -144,6 +142,8 @@ def _make_plan(packed, qs, compiled, args, grid_x, config, asked=None) -> None:
             _seen[key] = weakref.ref(qs)
             return
         del _seen[key]
+    if runtime.hooks_active():
+        return  # profiling hooks want the full path
     if (old is not None and old.compiled is compiled and old.grid_x == grid_x and old.config is asked
             and old.matches(qs) and old.packed_ptr(packed) != -1):
         return  # the same plan again (a caller that passes ftz or out on every call)
