@@ -5,6 +5,7 @@ and, where it reads inputs of its own, `load(doc)`. No section imports another: 
 `paper.latex`, or here when it is a fact about the measurements rather than about LaTeX.
 """
 
-# The weights nf4.probe times; the tuning labs (results/tuning/) were timed on the same ones, and the tuning
-# section quotes them at the middle one, so both sections take the list from here.
+# The weights the probe (python -m experiments probe) times; the tuning labs (results/tuning/) were
+# timed on the same ones, and the tuning section quotes them at the middle one, so both sections take
+# the list from here.
 PROBE_CASES = ("8192x2048:fp16", "14336x4096:bf16", "28672x8192:bf16")

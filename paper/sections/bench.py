@@ -1,4 +1,4 @@
-"""results/nf4_bench.json (`python -m nf4.bench`): timings of nf4 and its peers, bandwidth, the sweep."""
+"""results/nf4_bench.json (`python -m experiments bench`): timings of nf4 and its peers, bandwidth, the sweep."""
 
 from __future__ import annotations
 
@@ -29,19 +29,27 @@ PROVIDERS = {
     "nf4": "nf4 (ours)",
     "nf4_out_buffer": "nf4, out= buffer",
     "bnb.dequantize_4bit": "bitsandbytes",
-    "unsloth_style": "Unsloth-style",
-    "unsloth_style_global_buffer": "Unsloth-style, global buf.",
+    "unsloth.2026.10.9": "Unsloth 2026.10.9",
+    "unsloth.2026.10.9_global_buffer": "Unsloth 2026.10.9, global buf.",
+    "unsloth_style": "Unsloth <= 2025 path (re-impl.)",
+    "unsloth_style_global_buffer": "Unsloth <= 2025, global buf.",
     "torch.compile": "torch.compile",
 }
 # Peers the prose quotes speedups against: provider -> macro stem.
-PEERS = {"bnb.dequantize_4bit": "Bnb", "unsloth_style": "Unsloth", "unsloth_style_global_buffer": "UnslothGlobal",
+PEERS = {"bnb.dequantize_4bit": "Bnb", "unsloth.2026.10.9": "UnslothRelease",
+         "unsloth.2026.10.9_global_buffer": "UnslothReleaseGlobal",
+         "unsloth_style": "Unsloth", "unsloth_style_global_buffer": "UnslothGlobal",
          "torch.compile": "Compile"}
 
 
 def build(doc: Document, bench: dict | None) -> None:
-    """Macros, tables and figures from results/nf4_bench.json (`python -m nf4.bench`): speed against the peers."""
+    """Macros, tables and figures from results/nf4_bench.json (`python -m experiments bench`): speed vs the peers."""
     env = (bench or {}).get("env") or {}
     rows = result_rows((bench or {}).get("rows"))
+    doc.macro("NFbenchBnbVersion", tex(env["bitsandbytes"]) if env.get("bitsandbytes") else NM)
+    release = ((bench or {}).get("peers") or {}).get("unsloth.2026.10.9")
+    doc.macro("NFbenchUnslothVersion", tex(release["version"]) if isinstance(release, dict) and release.get("version")
+              else NM)
     copy_gbs = number(((bench or {}).get("copy_bandwidth") or {}).get("gbs"))
     empty = (bench or {}).get("empty_triton_launch") or {}
     doc.macro("NFbenchDevice", tex(env["device"]) if env.get("device") else NM)
@@ -122,7 +130,7 @@ def build(doc: Document, bench: dict | None) -> None:
 
     if not rows:
         for name in ("bench_table.tex", "bench_detail_table.tex", "fig_bandwidth.tex", "fig_speedup.tex"):
-            doc.write(name, missing_box("results/nf4\\_bench.json (\\texttt{python -m nf4.bench} on a GPU)"))
+            doc.write(name, missing_box("results/nf4\\_bench.json (\\texttt{python -m experiments bench} on a GPU)"))
         doc.write("sweep_table.tex", missing_box("results/nf4\\_bench.json sweep"))
         doc.macro("NFsweepConfigs", NM)
         doc.macro("NFsweepExact", NM)
@@ -227,7 +235,7 @@ def _sweep(doc: Document, sweep: list) -> None:
     doc.macro("NFsweepConfigs", integer(len(rows)) if rows else NM)
     doc.macro("NFsweepExact", integer(sum(1 for r in rows if r.get("mismatches") == 0)) if rows else NM)
     if not rows:
-        doc.write("sweep_table.tex", missing_box("the sweep (\\texttt{python -m nf4.bench --sweep})"))
+        doc.write("sweep_table.tex", missing_box("the sweep (\\texttt{python -m experiments bench --sweep})"))
         return
     cases = list(dict.fromkeys((tuple(r.get("shape") or ()), str(r.get("dtype"))) for r in rows))
     lines = [r"\begin{tabular}{@{}l l r r r l l r r@{}}", r"\toprule",

@@ -5,11 +5,15 @@ from __future__ import annotations
 from paper.latex import DASH, NM, Document, integer, missing_box, number, ratio, row, stack, tex, us
 
 CHALLENGE_IMPLS = {
-    "nf4": "nf4 (ours)", "unsloth": "Unsloth-style (baseline)", "unsloth.global_buffer": "Unsloth-style, global buf.",
+    "nf4": "nf4 (ours)", "unsloth.2026.10.9": "Unsloth 2026.10.9 (baseline)",
+    "unsloth.2026.10.9.global_buffer": "Unsloth 2026.10.9, global buf.",
+    "unsloth": "Unsloth <= 2025 path (re-impl.)", "unsloth.global_buffer": "Unsloth <= 2025, global buf.",
     "bnb.dequantize_4bit": "bitsandbytes", "torch.compile": "torch.compile",
     "torch.compile.no_fp_fusion": "torch.compile, no FP fusion",
 }
-CHALLENGE_SHORT = {"nf4": "nf4", "unsloth": "Unsloth-style", "unsloth.global_buffer": "Unsloth global buf.",
+CHALLENGE_SHORT = {"nf4": "nf4", "unsloth.2026.10.9": "Unsloth 2026.10.9",
+                   "unsloth.2026.10.9.global_buffer": "Unsloth 2026.10.9 global buf.",
+                   "unsloth": "Unsloth <=2025", "unsloth.global_buffer": "Unsloth <=2025 global buf.",
                    "bnb.dequantize_4bit": "bitsand- bytes", "torch.compile": "torch. compile",
                    "torch.compile.no_fp_fusion": "compile no fusion"}
 
@@ -24,6 +28,10 @@ def build(doc: Document, ch: dict | None) -> None:
     overall = (ch or {}).get("overall") or {}
     baseline = (ch or {}).get("baseline", "unsloth")
     doc.macro("NFchallengeSpeedupOverall", ratio((overall.get("nf4") or {}).get("speedup")))
+    doc.macro("NFchallengeBaselineName", tex(CHALLENGE_IMPLS.get(baseline, baseline)) if ch else NM)
+    for key, stem in (("overall_legacy", "Legacy"), ("overall_state_form", "StateForm"),
+                      ("overall_state_form_legacy", "StateFormLegacy")):
+        doc.macro(f"NFchallengeSpeedup{stem}", ratio((((ch or {}).get(key) or {}).get("nf4") or {}).get("speedup")))
     sp = [c["speedup"]["nf4"] for c in configs if (c.get("speedup") or {}).get("nf4")]
     doc.macro("NFchallengeSpeedupMin", ratio(min(sp)) if sp else NM)
     doc.macro("NFchallengeSpeedupMax", ratio(max(sp)) if sp else NM)

@@ -1,4 +1,4 @@
-"""results/probe_<gpu>.json (`python -m nf4.probe`): where the time goes, on the device and on the host."""
+"""results/probe_<gpu>.json (`python -m experiments probe`): where the time goes, on the device and on the host."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def load(doc: Document) -> dict | None:
     """The newest results/probe_<gpu>.json (by name), or None (noted as missing)."""
     found = sorted(p.name for p in doc.results.glob("probe_*.json")) if doc.results.is_dir() else []
     if not found:
-        doc.missing.append("results/probe_<gpu>.json (python -m nf4.probe on a GPU)")
+        doc.missing.append("results/probe_<gpu>.json (python -m experiments probe on a GPU)")
         return None
-    return doc.load(found[-1], label="nf4.probe", required_for="floor and host tables")
+    return doc.load(found[-1], label="experiments probe", required_for="floor and host tables")
 
 
 def build(doc: Document, data: dict | None) -> None:
@@ -96,7 +96,7 @@ def build(doc: Document, data: dict | None) -> None:
               if alloc and launch and alloc2 and launch2 else NM)
     doc.macro("NFprobeHostHalfJit", us_range(jit / 2, jit2 / 2) if jit and jit2 else NM)
     if not rows:
-        doc.write("floor_table.tex", missing_box("results/probe\\_<gpu>.json (\\texttt{python -m nf4.probe})"))
+        doc.write("floor_table.tex", missing_box("results/probe\\_<gpu>.json (\\texttt{python -m experiments probe})"))
     else:
         head = " & ".join(rf"\multicolumn{{2}}{{c}}{{{case_tex(c)}}}" for c in PROBE_CASES)
         rule = "".join(rf"\cmidrule(lr){{{2 + 2 * i}-{3 + 2 * i}}}" for i in range(len(PROBE_CASES)))
