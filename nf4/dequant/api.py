@@ -207,7 +207,39 @@ def _unpack_module(weight, quant_state):
                             f"carrying one; got {type(weight).__name__} without quant_state")
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a packed torch.Tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
+    if isinstance(quant_state, (torch.Tensor, dict, list, tuple)) or not all(
+            hasattr(quant_state, f) for f in ("absmax", "shape", "blocksize", "dtype", "quant_type")):
+        raise TypeError("quant_state must be a bitsandbytes QuantState (absmax, shape, blocksize, dtype, quant_type), "
+                        f"got {type(quant_state).__name__}")
+    if weight.device.type == "meta":
+        raise ValueError("weight is on the meta device, which holds no bytes to dequantize; expected a CUDA tensor "
+                         "(or a CPU tensor with TRITON_INTERPRET=1)")
+    if weight.device.type == "cpu" and not _interpreter_on():
+        raise ValueError("weight is a CPU tensor, which nf4 runs in Triton's interpreter, but the interpreter is off: "
+                         "set TRITON_INTERPRET=1 in the environment before triton is first imported (torch.compile "
+                         "and bitsandbytes import it too), or move the weight to CUDA")
     return weight, quant_state
+
+
+def _interpreter_on() -> bool:
+    """Whether @triton.jit made interpreted functions (TRITON_INTERPRET was set when the kernel was defined)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(nf4_dequantize_kernel, InterpretedFunction)
+
+
+def _as_int(value, field: str) -> int:
+    """An integral value (int, NumPy integer, integral float, 0-d tensor) as int; TypeError/ValueError otherwise."""
+    v = value
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 0 or v.dtype.is_complex or v.dtype == torch.bool:
+            raise TypeError(f"{field} must be an integer, got a {v.dtype} tensor of shape {tuple(v.shape)}")
+        v = v.item()
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{field} must be an integer, got {type(value).__name__} {value!r}")
+    if isinstance(v, (float, np.floating)) and not float(v).is_integer():
+        raise ValueError(f"{field} must be an integral value, got {value!r}")
+    return int(v)
 
 
 def _check_state(packed: torch.Tensor, qs, dtype):
@@ -215,7 +247,7 @@ def _check_state(packed: torch.Tensor, qs, dtype):
     quant_type = getattr(qs, "quant_type", None)
     if quant_type != "nf4":
         raise ValueError(f"quant_state.quant_type must be 'nf4', got {quant_type!r}")
-    blocksize = qs.blocksize
+    blocksize = _as_int(qs.blocksize, "quant_state.blocksize")
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"quant_state.blocksize must be one of {BLOCKSIZES}, got {blocksize!r}")
     out_dtype = qs.dtype if dtype is None else dtype
@@ -225,10 +257,12 @@ def _check_state(packed: torch.Tensor, qs, dtype):
         raise TypeError(f"packed weight has dtype {packed.dtype}, expected a quant_storage dtype: {_PACKED_DTYPES}")
     if not packed.is_contiguous():
         raise ValueError("packed weight must be contiguous")
-    shape = tuple(qs.shape)
+    if not isinstance(qs.shape, (tuple, list, torch.Size)):
+        raise TypeError(f"quant_state.shape must be a torch.Size or a tuple of integers, got {type(qs.shape).__name__}")
+    shape = tuple(_as_int(d, f"quant_state.shape[{i}]") for i, d in enumerate(qs.shape))
+    if any(d < 0 for d in shape):
+        raise ValueError(f"quant_state.shape must hold non-negative integers, got {tuple(qs.shape)}")
     n = math.prod(shape)
-    if n <= 0:
-        raise ValueError(f"quant_state.shape must have at least one element, got {shape}")
     have = packed.numel() * packed.element_size()
     if have != (n + 1) // 2:
         raise ValueError(f"packed weight holds {have} bytes, expected {(n + 1) // 2} for quant_state.shape {shape}")
@@ -382,15 +416,18 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
                     return plan.run(ptr, transpose)
                 if plan.fits_out(out):
                     return plan.run(ptr, transpose, out)
+    if ftz is not None and not isinstance(ftz, (bool, np.bool_)):
+        raise TypeError(f"ftz must be True, False or None (the device's default), got {type(ftz).__name__} {ftz!r}")
     packed, qs = _unpack_module(weight, quant_state)
     shape, n, _, blocksize, out_dtype, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, dtype)
     device = packed.device
-    if ftz is None:
-        ftz = device.type == "cuda"
+    ftz = device.type == "cuda" if ftz is None else bool(ftz)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
     else:
         _check_out(out, shape, out_dtype, device)
+    if n == 0:  # an empty weight: an empty result, as bitsandbytes returns
+        return out.t() if packed.dim() == 2 and packed.shape[0] == 1 else out
     if torch.compiler.is_compiling():
         from ..ops import dequantize_op
 

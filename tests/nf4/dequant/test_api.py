@@ -65,7 +65,7 @@ BAD_DQ = [
      TypeError, r"(?s)packed.*int64.*uint8"),
     ("packed-noncontiguous", _packed(_noncontiguous_packed), ValueError, r"packed.*contiguous"),
     ("packed-too-short", _packed(lambda p: p[:-1]), ValueError, r"packed.*bytes.*expected"),
-    ("packed-meta", _packed(lambda p: torch.empty_like(p, device=META)), ValueError, r"absmax.*cpu.*expected meta"),
+    ("packed-meta", _packed(lambda p: torch.empty_like(p, device=META)), ValueError, r"weight.*meta.*expected"),
     ("quant_type-fp4", _cs(quant_type="fp4"), ValueError, r"quant_type.*'nf4'.*'fp4'"),
     ("blocksize-48", _cs(blocksize=48), ValueError, r"blocksize.*64.*48"),
     ("shape-mismatch", _cs(shape=torch.Size([5, 69])), ValueError, r"packed.*expected"),
