@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +62,7 @@ def code_table(device: torch.device, codebook: int = 0) -> torch.Tensor:
 
 def interpreting(t: torch.Tensor) -> bool:
     """True when a launch on `t` runs in Triton's interpreter (never while recording for a compile)."""
-    if runtime.is_recording():
-        return False
-    return t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return not runtime.is_recording() and runtime.interpreting(t.device)
 
 
 def flags(t: torch.Tensor, ftz: bool) -> tuple[bool, bool]:
