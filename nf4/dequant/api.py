@@ -211,7 +211,7 @@ def _unpack_module(weight, quant_state):
             hasattr(quant_state, f) for f in ("absmax", "shape", "blocksize", "dtype", "quant_type")):
         raise TypeError("quant_state must be a bitsandbytes QuantState (absmax, shape, blocksize, dtype, quant_type), "
                         f"got {type(quant_state).__name__}")
-    if weight.device.type == "meta":
+    if weight.device.type == "meta" and not runtime.is_recording():  # recording: an offline compile's stand-ins
         raise ValueError("weight is on the meta device, which holds no bytes to dequantize; expected a CUDA tensor "
                          "(or a CPU tensor with TRITON_INTERPRET=1)")
     if weight.device.type == "cpu" and not _interpreter_on():
