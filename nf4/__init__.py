@@ -13,6 +13,15 @@ other libraries' call forms (`integrations/`). Importing nf4 loads torch and tri
 """
 
 from .dequant import DequantConfig, dequantize, launch
+from .integrations.bitsandbytes import patch_bitsandbytes, patched_bitsandbytes, unpatch_bitsandbytes
 from .integrations.unsloth import fast_dequantize
 
-__all__ = ["DequantConfig", "dequantize", "fast_dequantize", "launch"]
+__all__ = [
+    "DequantConfig",
+    "dequantize",
+    "fast_dequantize",
+    "launch",
+    "patch_bitsandbytes",
+    "patched_bitsandbytes",
+    "unpatch_bitsandbytes",
+]

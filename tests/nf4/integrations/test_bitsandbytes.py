@@ -1,0 +1,578 @@
+"""`nf4.patch_bitsandbytes` / `unpatch_bitsandbytes` / `patched_bitsandbytes` with bitsandbytes 0.50.2.
+
+Patched calls are compared bit for bit (integer views, `verify.exact.assert_bitexact`) with the same
+call unpatched, and `nf4.integrations.bitsandbytes.routed_counts()` shows which side computed them.
+On a machine without CUDA the tensors are CPU tensors and nf4 runs in Triton's interpreter
+(conftest sets TRITON_INTERPRET=1); the reference is then bitsandbytes' own CPU route, which is
+wrong for some shapes (verify/known.py, tests/reference/test_bnb.py): its AVX512 branch misreads
+absmax when rows do not hold whole blocks, and it returns a 1-D shape as (1, n). The shapes here
+are 2-D and 3-D, and each is one where that route is right: a last dim that is a multiple of the
+blocksize (AVX512 branch: rows hold whole blocks), a last dim that is even but not a multiple of 16
+(its scalar C++ branch), or an odd last dim (its pure-torch default backend); every case is checked
+against `verify.known.native_absmax_index_bug`. With CUDA, the same checks also run on CUDA tensors
+against bitsandbytes' CUDA kernels, and a Linear4bit with 2048 rows exercises gemm_4bit's dequantize
++ linear fallback.
+
+What bitsandbytes' CPU Linear4bit does (checked below): the forward runs the op
+`bitsandbytes::gemm_4bit`, whose default kernel calls the op `bitsandbytes::dequantize_4bit`, never
+the Python `functional.dequantize_4bit`, so the CPU forward is not routed; the backward calls
+`functional.dequantize_4bit` and is routed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+import nf4
+from nf4.dequant.kernel import nf4_dequantize_kernel
+from nf4.integrations.bitsandbytes import (
+    patched_names,
+    reset_routed_counts,
+    route_dequant_linear_fallback,
+    routed_counts,
+)
+from verify.exact import assert_bitexact
+from verify.known import native_absmax_index_bug
+
+bnb = pytest.importorskip("bitsandbytes")
+F = pytest.importorskip("bitsandbytes.functional")
+
+ROOT = Path(__file__).resolve().parents[3]
+INTERPRETING = isinstance(nf4_dequantize_kernel, InterpretedFunction)
+# Where nf4 runs: CPU tensors only in Triton's interpreter.
+DEVICES = (["cpu"] if INTERPRETING else []) + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# bitsandbytes' CPU route for each (module docstring): AVX512 branch with whole blocks per row (at
+# blocksizes 64 and 128), scalar C++ branch, scalar C++ branch in 3-D, pure-torch default backend
+SHAPES = [(7, 128), (5, 70), (3, 5, 42), (3, 67)]
+DQ = "dequantize_4bit"
+FB = "_dequant_linear_fallback"
+
+needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="CPU tensors reach nf4 only in Triton's interpreter")
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    """Every test starts and ends with nothing patched and the counts at zero."""
+    nf4.unpatch_bitsandbytes()
+    reset_routed_counts()
+    yield
+    nf4.unpatch_bitsandbytes()
+    reset_routed_counts()
+
+
+def _counts(function=DQ) -> tuple[int, int]:
+    """(calls sent to nf4, calls sent to bitsandbytes) by the replacement of `function`."""
+    c = routed_counts()
+    return c.get((function, "nf4"), 0), c.get((function, "bitsandbytes"), 0)
+
+
+def _bnb_bindings() -> dict[tuple[str, str], object]:
+    """Every global of every loaded bitsandbytes module, by (module, name)."""
+    return {(name, attr): value for name, module in list(sys.modules.items())
+            if module is not None and (name == "bitsandbytes" or name.startswith("bitsandbytes."))
+            for attr, value in list(vars(module).items())}
+
+
+def _holding(*functions) -> list[tuple[str, str]]:
+    """The bindings in loaded bitsandbytes modules that hold one of `functions` (by identity)."""
+    return sorted(key for key, value in _bnb_bindings().items() if any(value is f for f in functions))
+
+
+def _assert_same_bindings(before: dict, after: dict) -> None:
+    assert after.keys() == before.keys()
+    changed = [key for key in before if after[key] is not before[key]]
+    assert not changed, f"bindings not restored to the same objects: {changed}"
+
+
+def _outcome(fn):
+    """("ok", result) or ("raises", exception type): what a call does, to compare patched with unpatched."""
+    try:
+        return "ok", fn()
+    except Exception as e:
+        return "raises", type(e)
+
+
+def _assert_same_outcome(got, expect, name="output"):
+    assert got[0] == expect[0], (got, expect)
+    if got[0] == "raises":
+        assert got[1] is expect[1], (got, expect)
+    else:
+        assert (tuple(got[1].shape), got[1].dtype) == (tuple(expect[1].shape), expect[1].dtype), name
+        assert_bitexact(got[1], expect[1], name=name)
+
+
+# --- 1. patching: bindings, identity, idempotence, the context manager ----------------------------
+
+
+def test_patch_and_unpatch_restore_the_same_objects():
+    original = F.dequantize_4bit
+    before = _bnb_bindings()
+    expect = _holding(original, *([sys.modules["bitsandbytes.backends.cuda.ops"]._dequant_linear_fallback]
+                                  if "bitsandbytes.backends.cuda.ops" in sys.modules else []))
+    assert ("bitsandbytes.functional", "dequantize_4bit") in expect
+
+    nf4.patch_bitsandbytes()
+    assert patched_names() == expect
+    replacement = F.dequantize_4bit
+    assert replacement is not original and replacement.__name__ == "dequantize_4bit"
+    assert replacement._nf4_original is original
+    assert not _holding(original), "a binding of the original was left unpatched"
+
+    nf4.patch_bitsandbytes()  # twice is one patch: the same replacement, not a replacement of it
+    assert patched_names() == expect and F.dequantize_4bit is replacement
+
+    nf4.unpatch_bitsandbytes()
+    assert patched_names() == [] and F.dequantize_4bit is original
+    _assert_same_bindings(before, _bnb_bindings())
+    nf4.unpatch_bitsandbytes()  # no-op
+    _assert_same_bindings(before, _bnb_bindings())
+
+    nf4.patch_bitsandbytes()  # again after an unpatch: the same replacement object
+    assert F.dequantize_4bit is replacement
+
+
+def test_unpatch_without_patch_is_a_no_op():
+    before = _bnb_bindings()
+    nf4.unpatch_bitsandbytes()
+    assert patched_names() == []
+    _assert_same_bindings(before, _bnb_bindings())
+
+
+def test_context_manager_normal_exit_exception_and_nesting():
+    original = F.dequantize_4bit
+    before = _bnb_bindings()
+    with nf4.patched_bitsandbytes():
+        assert F.dequantize_4bit is not original and patched_names()
+        with nf4.patched_bitsandbytes():  # nested: nothing new to patch, so nothing undone on its exit
+            inner = F.dequantize_4bit
+        assert F.dequantize_4bit is inner and patched_names()
+    assert F.dequantize_4bit is original and patched_names() == []
+    _assert_same_bindings(before, _bnb_bindings())
+
+    with pytest.raises(RuntimeError, match="inside"), nf4.patched_bitsandbytes():
+        assert F.dequantize_4bit is not original
+        raise RuntimeError("inside")
+    assert F.dequantize_4bit is original and patched_names() == []
+    _assert_same_bindings(before, _bnb_bindings())
+
+
+def test_context_manager_keeps_an_earlier_patch():
+    original = F.dequantize_4bit
+    nf4.patch_bitsandbytes()
+    replacement, names = F.dequantize_4bit, patched_names()
+    with nf4.patched_bitsandbytes():
+        assert F.dequantize_4bit is replacement
+    assert F.dequantize_4bit is replacement and patched_names() == names
+    with nf4.patched_bitsandbytes():
+        nf4.unpatch_bitsandbytes()  # undone inside the block: the state before it comes back on exit
+        assert F.dequantize_4bit is original
+    assert F.dequantize_4bit is replacement and patched_names() == names
+    nf4.unpatch_bitsandbytes()
+    assert F.dequantize_4bit is original
+
+
+def test_by_value_bindings_are_patched_and_restored(monkeypatch):
+    """A bitsandbytes module holding the function by value (`from bitsandbytes.functional import
+    dequantize_4bit`) is patched and restored too, and so is CUDA's gemm_4bit fallback; stand-in
+    modules play both where they are not loaded (no CUDA: bitsandbytes does not load its CUDA ops)."""
+    original = F.dequantize_4bit
+    by_value = types.ModuleType("bitsandbytes._nf4_test_by_value")
+    by_value.dequantize_4bit = original
+    by_value.unrelated = len
+    monkeypatch.setitem(sys.modules, by_value.__name__, by_value)
+    cuda_name = "bitsandbytes.backends.cuda.ops"
+    if cuda_name in sys.modules:
+        cuda_ops = sys.modules[cuda_name]
+    else:
+        cuda_ops = types.ModuleType(cuda_name)
+
+        def _dequant_linear_fallback(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None,
+                                     absmax_code=None, absmax_offset=None):
+            raise AssertionError("the stand-in is never called here")
+
+        cuda_ops._dequant_linear_fallback = _dequant_linear_fallback
+        monkeypatch.setitem(sys.modules, cuda_name, cuda_ops)
+    fallback = cuda_ops._dequant_linear_fallback
+    before = _bnb_bindings()
+    try:
+        nf4.patch_bitsandbytes()
+        names = patched_names()
+        assert (by_value.__name__, "dequantize_4bit") in names and (cuda_name, FB) in names
+        assert by_value.dequantize_4bit is F.dequantize_4bit is not original
+        assert cuda_ops._dequant_linear_fallback is not fallback
+        assert cuda_ops._dequant_linear_fallback._nf4_original is fallback
+        assert by_value.unrelated is len
+        with nf4.patched_bitsandbytes():
+            pass
+        assert patched_names() == names
+    finally:
+        nf4.unpatch_bitsandbytes()
+    assert by_value.dequantize_4bit is original and cuda_ops._dequant_linear_fallback is fallback
+    _assert_same_bindings(before, _bnb_bindings())
+
+
+def test_import_by_value_while_patched_is_restored(monkeypatch):
+    """A module that imports the name while patched holds the replacement; a later patch records it, and
+    unpatching gives it the original."""
+    original = F.dequantize_4bit
+    late = types.ModuleType("bitsandbytes._nf4_test_late")
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    nf4.patch_bitsandbytes()
+    late.dequantize_4bit = F.dequantize_4bit  # what `from bitsandbytes.functional import ...` does now
+    nf4.patch_bitsandbytes()
+    assert (late.__name__, "dequantize_4bit") in patched_names()
+    nf4.unpatch_bitsandbytes()
+    assert late.dequantize_4bit is original
+
+
+@needs_interpreter
+def test_a_kept_replacement_calls_bitsandbytes_after_unpatch(nf4h):
+    packed, state = nf4h.quantize((7, 128), torch.float32, 64, True, seed=nf4h.case_seed("kept"))
+    expect = F.dequantize_4bit(packed, state)
+    nf4.patch_bitsandbytes()
+    kept = F.dequantize_4bit
+    nf4.unpatch_bitsandbytes()
+    assert_bitexact(kept(packed, state), expect)
+    assert _counts() == (0, 1)
+
+
+# --- 2. NF4 states: bit for bit, and through nf4 -------------------------------------------------
+
+
+def _check_routed(device, packed, state, *, quant_storage=torch.uint8):
+    expect = F.dequantize_4bit(packed, state)
+    with nf4.patched_bitsandbytes():
+        got = F.dequantize_4bit(packed, state)
+        assert _counts() == (1, 0)
+        via_nf4_name = F.dequantize_nf4(packed, state)  # functional's own global lookup
+        assert _counts() == (2, 0)
+        with_own_absmax = bnb.functional.dequantize_4bit(packed, quant_state=state, absmax=state.absmax,
+                                                         blocksize=state.blocksize)
+        assert _counts() == (3, 0)
+    for name, t in (("dequantize_4bit", got), ("dequantize_nf4", via_nf4_name), ("own absmax", with_own_absmax)):
+        assert (tuple(t.shape), t.dtype, t.device.type) == (tuple(expect.shape), expect.dtype, device), name
+        assert_bitexact(t, expect, name=name)
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("blocksize", [64, 128])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_nf4_states_bitexact_through_nf4(nf4h, device, shape, blocksize, dtype, double_quant):
+    assert not native_absmax_index_bug(shape, blocksize)
+    packed, state = nf4h.quantize(shape, dtype, blocksize, double_quant, device=device,
+                                  seed=nf4h.case_seed("bnb-patch", shape, blocksize, dtype, double_quant))
+    _check_routed(device, packed, state)
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("shape", [(7, 128), (5, 72)], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_quant_storage(nf4h, device, shape, double_quant):
+    assert not native_absmax_index_bug(shape, 128)
+    packed, state = nf4h.quantize(shape, torch.bfloat16, 128, double_quant, quant_storage=torch.bfloat16,
+                                  device=device, seed=nf4h.case_seed("bnb-patch-bf16", shape, double_quant))
+    assert packed.dtype == torch.bfloat16
+    _check_routed(device, packed, state)
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_packed_is_transposed_like_bitsandbytes(nf4h, device, double_quant):
+    packed, state = nf4h.quantize((9, 64), torch.float16, 64, double_quant, device=device,
+                                  seed=nf4h.case_seed("bnb-patch-row", double_quant))
+    row = packed.t()  # (1, k): bitsandbytes returns the result transposed
+    expect = F.dequantize_4bit(row, state)
+    assert tuple(expect.shape) == (64, 9)
+    with nf4.patched_bitsandbytes():
+        got = F.dequantize_4bit(row, state)
+    assert _counts() == (1, 0)
+    assert tuple(got.shape) == (64, 9) and got.stride() == expect.stride()
+    assert_bitexact(got, expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_argument(nf4h, device):
+    """`out=` of the state's shape and dtype goes to nf4, which fills it and returns it (transposed for
+    a (1, k) packed tensor), as bitsandbytes' CUDA route does; bitsandbytes' CPU build has no .out
+    kernel and raises. Any other `out` goes to bitsandbytes, with the same outcome as unpatched."""
+    packed, state = nf4h.quantize((6, 128), torch.bfloat16, 64, True, device=device,
+                                  seed=nf4h.case_seed("bnb-patch-out"))
+    expect = F.dequantize_4bit(packed, state)
+    unpatched_out = _outcome(lambda: F.dequantize_4bit(packed, state, out=torch.empty_like(expect)))
+    if device == "cpu":
+        assert unpatched_out[0] == "raises"  # bitsandbytes 0.50.2: no CPU kernel for dequantize_4bit.out
+    with nf4.patched_bitsandbytes():
+        out = torch.empty_like(expect)
+        got = F.dequantize_4bit(packed, state, out=out)
+        assert got is out or got.data_ptr() == out.data_ptr()
+        assert_bitexact(out, expect)
+        out_t = torch.empty_like(expect)
+        got_t = F.dequantize_4bit(packed.t(), state, out=out_t)
+        assert got_t.data_ptr() == out_t.data_ptr() and tuple(got_t.shape) == (128, 6)
+        assert_bitexact(got_t, expect.t())
+        assert _counts() == (2, 0)
+    others = {
+        "dtype": lambda: torch.empty(6, 128, dtype=torch.float32, device=device),
+        "shape": lambda: torch.empty(128, 6, dtype=torch.bfloat16, device=device),
+        "not contiguous": lambda: torch.empty(128, 6, dtype=torch.bfloat16, device=device).t(),
+    }
+    for name, make in others.items():
+        expect_outcome = _outcome(lambda make=make: F.dequantize_4bit(packed, state, out=make()))
+        reset_routed_counts()
+        with nf4.patched_bitsandbytes():
+            got_outcome = _outcome(lambda make=make: F.dequantize_4bit(packed, state, out=make()))
+        assert _counts() == (0, 1), name
+        _assert_same_outcome(got_outcome, expect_outcome, name=f"out of another {name}")
+
+
+# --- 3. what stays with bitsandbytes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp4_goes_to_bitsandbytes(nf4h, device, double_quant):
+    x = nf4h.make_weight((7, 128), torch.float16, nf4h.case_seed("bnb-patch-fp4", double_quant), device)
+    packed, state = F.quantize_4bit(x, blocksize=64, compress_statistics=double_quant, quant_type="fp4")
+    expect = F.dequantize_4bit(packed, state)
+    expect_fp4 = F.dequantize_fp4(packed, state)
+    with nf4.patched_bitsandbytes():
+        got = F.dequantize_4bit(packed, state)
+        got_fp4 = F.dequantize_fp4(packed, state)
+    assert _counts() == (0, 2)
+    assert_bitexact(got, expect)
+    assert_bitexact(got_fp4, expect_fp4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_explicit_absmax_and_conflicts_go_to_bitsandbytes(nf4h, device):
+    packed, state = nf4h.quantize((7, 128), torch.float32, 64, False, device=device,
+                                  seed=nf4h.case_seed("bnb-patch-absmax"))
+    calls = {
+        # no QuantState: bitsandbytes builds one from absmax and out
+        "absmax + out": lambda: F.dequantize_4bit(packed, absmax=state.absmax, blocksize=64, quant_type="nf4",
+                                                  out=torch.empty(7, 128, device=device)),
+        # a QuantState with arguments that disagree with it (bitsandbytes ignores them)
+        "other absmax": lambda: F.dequantize_4bit(packed, state, absmax=state.absmax.clone()),
+        "other blocksize": lambda: F.dequantize_4bit(packed, state, blocksize=128),
+        # a state nf4 rejects (TypeError: float64 output); bitsandbytes decides (it raises ValueError)
+        "float64 state": lambda: F.dequantize_4bit(packed, nf4h.clone_state(state, dtype=torch.float64)),
+    }
+    for name, call in calls.items():
+        expect = _outcome(call)
+        reset_routed_counts()
+        with nf4.patched_bitsandbytes():
+            got = _outcome(call)
+        assert _counts() == (0, 1), name
+        _assert_same_outcome(got, expect, name=name)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")
+def test_cpu_tensors_go_to_bitsandbytes_without_the_interpreter():
+    """With TRITON_INTERPRET unset nf4 cannot run CPU tensors: every CPU call goes to bitsandbytes."""
+    code = (
+        "import torch, nf4, bitsandbytes.functional as F\n"
+        "from nf4.integrations.bitsandbytes import routed_counts\n"
+        "x = torch.randn(7, 128, generator=torch.Generator().manual_seed(5))\n"
+        "packed, state = F.quantize_4bit(x, blocksize=64, compress_statistics=True, quant_type='nf4')\n"
+        "expect = F.dequantize_4bit(packed, state)\n"
+        "with nf4.patched_bitsandbytes():\n"
+        "    got = F.dequantize_4bit(packed, state)\n"
+        "assert torch.equal(got.view(torch.int32), expect.view(torch.int32))\n"
+        "assert routed_counts() == {('dequantize_4bit', 'bitsandbytes'): 1}, routed_counts()\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+# --- 4. Linear4bit, forward and backward ----------------------------------------------------------
+
+
+def _linear4bit(nf4h, in_features, out_features, seed, *, compress_statistics, compute_dtype, device):
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=True, compute_dtype=compute_dtype,
+                              compress_statistics=compress_statistics, quant_type="nf4", quant_storage=torch.uint8)
+    weight = nf4h.make_weight((out_features, in_features), torch.float32, seed)
+    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
+                                     compress_statistics=compress_statistics, quant_storage=torch.uint8, blocksize=64)
+    with torch.no_grad():
+        layer.bias.copy_(nf4h.make_weight((out_features,), torch.float32, seed + 1))
+    layer = layer.to(device)  # quantizes the weight on `device`
+    assert layer.weight.bnb_quantized and layer.weight.quant_state.quant_type == "nf4"
+    return layer.train()
+
+
+def _forward_backward(layer, x):
+    x = x.detach().clone().requires_grad_(True)
+    y = layer(x)
+    counts_after_forward = dict(routed_counts())
+    y.sum().backward()
+    return y.detach(), x.grad, counts_after_forward
+
+
+@needs_interpreter
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=DT.get)
+@pytest.mark.parametrize("compress_statistics", [True, False], ids=["dq", "nodq"])
+def test_linear4bit_cpu_forward_and_backward(nf4h, compress_statistics, compute_dtype):
+    """CPU: the forward is bitsandbytes' (gemm_4bit's default kernel calls the op, not the function),
+    the backward's dequantization is nf4's; output and input gradient are bit-identical to unpatched."""
+    seed = nf4h.case_seed("bnb-patch-linear", compress_statistics, compute_dtype)
+    layer = _linear4bit(nf4h, 128, 37, seed, compress_statistics=compress_statistics,
+                        compute_dtype=compute_dtype, device="cpu")
+    assert not native_absmax_index_bug((37, 128), 64)
+    x = nf4h.make_weight((3, 5, 128), torch.float32, seed + 2)
+    y0, g0, _ = _forward_backward(layer, x)
+    with nf4.patched_bitsandbytes():
+        y1, g1, after_forward = _forward_backward(layer, x)
+    assert after_forward == {}, "the CPU forward called a patched function"
+    assert _counts() == (1, 0)  # the backward's F.dequantize_4bit(B, ctx.state)
+    assert_bitexact(y1, y0, name="output")
+    assert_bitexact(g1, g0, name="input gradient")
+
+
+@needs_interpreter
+def test_linear4bit_cpu_ops_called(nf4h):
+    """What the CPU Linear4bit runs, from the profiler: the forward runs the ops bitsandbytes::gemm_4bit
+    and (inside it) bitsandbytes::dequantize_4bit in both states; the backward runs
+    bitsandbytes::dequantize_4bit unpatched and no bitsandbytes op patched (nf4 dequantizes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = _linear4bit(nf4h, 128, 19, nf4h.case_seed("bnb-patch-ops"), compress_statistics=True,
+                        compute_dtype=torch.float32, device="cpu")
+    x = nf4h.make_weight((4, 128), torch.float32, nf4h.case_seed("bnb-patch-ops-x"))
+
+    def ops(patched):
+        xin = x.clone().requires_grad_(True)
+        with nf4.patched_bitsandbytes() if patched else contextlib.nullcontext():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                y = layer(xin)
+            forward = {e.name for e in prof.events() if e.name.startswith("bitsandbytes::")}
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                y.sum().backward()
+            backward = {e.name for e in prof.events() if e.name.startswith("bitsandbytes::")}
+        return forward, backward
+
+    forward, backward = ops(False)
+    assert {"bitsandbytes::gemm_4bit", "bitsandbytes::dequantize_4bit"} <= forward
+    assert "bitsandbytes::dequantize_4bit" in backward
+    forward, backward = ops(True)
+    assert {"bitsandbytes::gemm_4bit", "bitsandbytes::dequantize_4bit"} <= forward
+    assert "bitsandbytes::dequantize_4bit" not in backward and _counts() == (1, 0)
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_4bit_kn_weight_forward(nf4h, device, double_quant):
+    """A weight quantized in [K, N] orientation: matmul_4bit's forward calls F.dequantize_4bit itself."""
+    packed, state = nf4h.quantize((70, 128), torch.float32, 64, double_quant, device=device,
+                                  seed=nf4h.case_seed("bnb-patch-kn", double_quant))
+    assert not native_absmax_index_bug((70, 128), 64)
+    a = nf4h.make_weight((3, 70), torch.float32, nf4h.case_seed("bnb-patch-kn-a", double_quant), device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # bitsandbytes asks to re-quantize as [N, K]
+        expect = bnb.matmul_4bit(a, packed, state)
+        with nf4.patched_bitsandbytes():
+            got = bnb.matmul_4bit(a, packed, state)
+    assert _counts() == (1, 0)
+    assert tuple(got.shape) == (3, 128)
+    assert_bitexact(got, expect)
+
+
+# --- gemm_4bit's CUDA fallback (dequantize + linear) ---------------------------------------------
+
+
+def _fallback_args(state, a, packed, bias):
+    """The arguments MatMul4Bit.forward hands torch.ops.bitsandbytes.gemm_4bit (and its CUDA kernel to
+    `_dequant_linear_fallback`)."""
+    b = packed.view(-1, 1)
+    if not state.nested:
+        return (a, b, state.shape, state.absmax, state.blocksize, state.quant_type, bias), {}
+    return ((a, b, state.shape, state.state2.absmax, state.blocksize, state.quant_type, bias),
+            {"absmax_8bit": state.absmax, "absmax_code": state.state2.code, "absmax_offset": state.offset})
+
+
+@needs_interpreter
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=DT.get)
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_dequant_linear_fallback_route(nf4h, double_quant, compute_dtype, quant_type):
+    """The replacement of CUDA's `_dequant_linear_fallback`, on CPU tensors (CUDA's ops module cannot be
+    imported by a CPU-only torch): NF4 is dequantized by nf4 into A's dtype (a state of dtype
+    compute_dtype, as the fallback's own dequantize uses), then F.linear, bit for bit with
+    bitsandbytes' CPU dequantize + F.linear; FP4 goes to the original with the caller's arguments."""
+    seed = nf4h.case_seed("bnb-patch-fallback", double_quant, compute_dtype, quant_type)
+    w = nf4h.make_weight((37, 128), torch.float32, seed)
+    packed, state = F.quantize_4bit(w, blocksize=64, compress_statistics=double_quant, quant_type=quant_type)
+    a = nf4h.make_weight((3, 5, 128), compute_dtype, seed + 1)
+    bias = nf4h.make_weight((37,), compute_dtype, seed + 2)
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "original"
+
+    route = route_dequant_linear_fallback(original)
+    args, kwargs = _fallback_args(state, a, packed, bias)
+    with nf4.patched_bitsandbytes():  # the replacements route only while patched
+        got = route(*args, **kwargs)
+    if quant_type == "fp4":
+        assert got == "original" and _counts(FB) == (0, 1)
+        (got_args, got_kwargs), = calls
+        assert all(x is y for x, y in zip(got_args, args, strict=True))
+        assert all(got_kwargs[k] is v for k, v in kwargs.items())
+        return
+    assert not calls and _counts(FB) == (1, 0)
+    weight = F.dequantize_4bit(packed, nf4h.clone_state(state, dtype=compute_dtype))
+    expect = torch.nn.functional.linear(a, weight, bias)
+    assert_bitexact(got, expect)
+    assert route(*args, **kwargs) == "original"  # not patched: the original, unchanged
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compress_statistics", [True, False], ids=["dq", "nodq"])
+def test_linear4bit_cuda_fallback_forward_and_backward(nf4h, compress_statistics):
+    """CUDA: 2048 rows (> 1536) send gemm_4bit to `_dequant_linear_fallback`, routed to nf4; the backward
+    to F.dequantize_4bit, routed too. Output and input gradient bit-identical to unpatched."""
+    assert "bitsandbytes.backends.cuda.ops" in sys.modules
+    seed = nf4h.case_seed("bnb-patch-linear-cuda", compress_statistics)
+    layer = _linear4bit(nf4h, 256, 96, seed, compress_statistics=compress_statistics,
+                        compute_dtype=torch.bfloat16, device="cuda")
+    x = nf4h.make_weight((2048, 256), torch.float32, seed + 2, "cuda")
+    y0, g0, _ = _forward_backward(layer, x)
+    with nf4.patched_bitsandbytes():
+        assert ("bitsandbytes.backends.cuda.ops", FB) in patched_names()
+        y1, g1, after_forward = _forward_backward(layer, x)
+    assert after_forward == {(FB, "nf4"): 1}
+    assert _counts(FB) == (1, 0) and _counts(DQ) == (1, 0)
+    assert_bitexact(y1, y0, name="output")
+    assert_bitexact(g1, g0, name="input gradient")
+
+
+# --- 5. import nf4 alone ---------------------------------------------------------------------------
+
+
+def test_import_nf4_does_not_import_bitsandbytes():
+    code = ("import sys, nf4, nf4.integrations.bitsandbytes\n"
+            "assert callable(nf4.patch_bitsandbytes) and callable(nf4.unpatch_bitsandbytes)\n"
+            "loaded = [m for m in sys.modules if m == 'bitsandbytes' or m.startswith('bitsandbytes.')]\n"
+            "print('loaded:', loaded)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loaded: []" in result.stdout, result.stdout
