@@ -1,0 +1,176 @@
+"""experiments.qlora without a GPU: the CLI refuses cleanly (exit 2), and its pure helpers are right.
+
+transformers and peft need not be installed: experiments.qlora imports them inside functions only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import qlora
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cli_exits_2_without_cuda(tmp_path):
+    out = tmp_path / "qlora.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "experiments", "qlora", "--quick", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "experiments qlora needs a CUDA GPU, transformers, peft and bitsandbytes" in proc.stderr
+    assert "missing: a CUDA GPU" in proc.stderr and "Nothing measured." in proc.stderr
+    assert not out.exists()
+
+
+def test_missing_requirements(monkeypatch):
+    assert qlora.missing_requirements(False)[0].startswith("a CUDA GPU")
+    found = {"transformers": object(), "peft": None, "bitsandbytes": object()}
+    monkeypatch.setattr(qlora.importlib.util, "find_spec", lambda name: found[name])
+    assert qlora.missing_requirements(True) == ["peft"]
+    found["peft"] = object()
+    assert qlora.missing_requirements(True) == []
+
+
+def test_parse_shape():
+    assert qlora.parse_shape("1x512") == (1, 512)
+    assert qlora.parse_shape(" 8X2048 ") == (8, 2048)
+    for bad in ("2048", "0x16", "2x0", "2x-1", "ax2", "2x3x4", ""):
+        with pytest.raises(ValueError, match="BATCHxSEQ"):
+            qlora.parse_shape(bad)
+
+
+def test_parse_args_defaults_and_quick():
+    args = qlora.parse_args([])
+    assert args.shape_list == [(1, 512), (2, 2048), (8, 2048)]
+    assert (args.layers, args.steps, args.decode_tokens, args.vocab) == (2, 10, 200, 8192)
+    assert args.dims["hidden_size"] == 4096 and args.dims["intermediate_size"] == 14336
+    assert (args.dims["num_attention_heads"], args.dims["num_key_value_heads"]) == (32, 8)
+    assert args.out is None
+    quick = qlora.parse_args(["--quick", "--shapes", "4x4096", "--steps", "50"])  # --quick wins
+    assert quick.shape_list == [(1, 32)]
+    assert (quick.layers, quick.steps, quick.decode_tokens, quick.vocab) == (1, 2, 8, 1024)
+    assert quick.dims == {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "max_position_embeddings": 4096}
+    with pytest.raises(SystemExit) as exc:
+        qlora.parse_args(["--shapes", "2x"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        qlora.parse_args(["--steps", "1"])  # no spread, no determinism check from one run
+
+
+def test_summarize_ms():
+    s = qlora.summarize_ms([4.0, 1.0, 3.0, 2.0])
+    assert s["median_ms"] == 2.5 and s["min_ms"] == 1.0 and s["max_ms"] == 4.0 and s["n"] == 4
+    q = statistics.quantiles([1.0, 2.0, 3.0, 4.0], n=4)
+    assert (s["q1_ms"], s["q3_ms"]) == (q[0], q[2]) and s["q1_ms"] <= s["median_ms"] <= s["q3_ms"]
+    one = qlora.summarize_ms([7.0])
+    assert one["median_ms"] == one["q1_ms"] == one["q3_ms"] == one["min_ms"] == one["max_ms"] == 7.0
+    with pytest.raises(ValueError):
+        qlora.summarize_ms([])
+
+
+def test_grad_digest_bits_names_and_order():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 8, generator=gen).to(torch.bfloat16)
+    b = torch.randn(8, 16, generator=gen)
+    d = qlora.grad_digest([("x.lora_A", a), ("x.lora_B", b)])
+    assert len(d) == 64 and int(d, 16) >= 0
+    assert qlora.grad_digest([("x.lora_B", b.clone()), ("x.lora_A", a.clone())]) == d  # sorted by name
+    flipped = a.clone()
+    flipped.view(torch.int16)[3, 5] ^= 1  # one bit of one bf16 element
+    assert qlora.grad_digest([("x.lora_A", flipped), ("x.lora_B", b)]) != d
+    assert qlora.grad_digest([("x.lora_A", a), ("y.lora_B", b)]) != d  # names count
+    assert qlora.grad_digest([("x.lora_A", a), ("x.lora_B", None)]) != d
+    assert qlora.grad_digest([("x.lora_A", a.float()), ("x.lora_B", b)]) != d  # dtype counts
+    assert qlora.grad_digest([("x.lora_A", a.reshape(8, 16)), ("x.lora_B", b)]) != d  # shape counts
+    assert qlora.grad_digest([("z", a.t())]) == qlora.grad_digest([("z", a.t().contiguous())])
+    zero, neg_zero = torch.zeros(4), torch.zeros(4)
+    neg_zero[1] = -0.0
+    assert torch.equal(zero, neg_zero) and qlora.grad_digest([("z", zero)]) != qlora.grad_digest([("z", neg_zero)])
+
+
+def test_loss_bits():
+    assert qlora.loss_bits(torch.tensor(1.0)) == 0x3F80_0000
+    assert qlora.loss_bits(torch.tensor(-2.0)) == -0x4000_0000  # sign bit set: a negative int32
+    assert qlora.loss_bits(torch.tensor(1.5, dtype=torch.bfloat16)) == 0x3FC0_0000
+    x = torch.tensor(6.9702215)
+    assert qlora.loss_bits(x) == qlora.loss_bits(x.clone()) != qlora.loss_bits(torch.nextafter(x, x + 1))
+
+
+def test_interleave_order_and_warmup():
+    calls = []
+
+    def make(name):
+        def run():
+            calls.append(name)
+            return float(len(calls)), (name, len(calls))
+        return run
+
+    res = qlora.interleave({"bnb": make("bnb"), "nf4": make("nf4")}, warmup=2, steps=3)
+    assert calls == ["bnb", "nf4"] * 5
+    assert res["bnb"]["times"] == [5.0, 7.0, 9.0] and res["nf4"]["times"] == [6.0, 8.0, 10.0]
+    assert [r[1] for r in res["bnb"]["records"]] == [1, 3, 5, 7, 9]  # warm-up records kept
+    assert len(res["nf4"]["records"]) == 5
+
+
+def test_compare():
+    same = [(7, "d")] * 4
+    ok = qlora.compare(same, [(7, "d")] * 3)
+    assert ok["bnb_deterministic"] and ok["nf4_deterministic"] and ok["bitexact_vs_bnb"] and ok["loss_bitexact"]
+    grads_differ = qlora.compare(same, [(7, "d")] * 2 + [(7, "e")])
+    assert grads_differ["bitexact_vs_bnb"] is False and grads_differ["loss_bitexact"] is True
+    assert grads_differ["nf4_deterministic"] is False and not grads_differ["nf4_within_bnb_outcomes"]
+    loss_differs = qlora.compare(same, [(8, "d")] * 4)
+    assert loss_differs["bitexact_vs_bnb"] is False and loss_differs["loss_bitexact"] is False
+    # bitsandbytes alone not deterministic: nothing is claimed
+    noisy = qlora.compare([(7, "d"), (7, "e"), (7, "d")], [(7, "d")] * 3)
+    assert noisy["bnb_deterministic"] is False and noisy["bitexact_vs_bnb"] is None
+    assert noisy["loss_bitexact"] is True and noisy["nf4_within_bnb_outcomes"] and noisy["bnb_distinct_outcomes"] == 2
+    noisy_loss = qlora.compare([(7, "d"), (8, "d")], [(7, "d")] * 2)
+    assert noisy_loss["bitexact_vs_bnb"] is None and noisy_loss["loss_bitexact"] is None
+    assert qlora.compare([(7, "d")], [(7, "d")])["bnb_deterministic"] is False  # one run proves nothing
+
+
+def test_counts_delta():
+    before = {("dequantize_4bit", "nf4"): 3, ("dequantize_4bit", "bitsandbytes"): 1}
+    after = {("dequantize_4bit", "nf4"): 10, ("dequantize_4bit", "bitsandbytes"): 1,
+             ("_dequant_linear_fallback", "nf4"): 2}
+    assert qlora.counts_delta(before, after) == {"_dequant_linear_fallback/nf4": 2, "dequantize_4bit/nf4": 7}
+    assert qlora.counts_delta(after, after) == {}
+
+
+def test_default_out():
+    assert qlora.default_out("NVIDIA H100 80GB HBM3") == "build/qlora_nvidia_h100_80gb_hbm3.json"
+    assert qlora.default_out("NVIDIA H200") == "build/qlora_nvidia_h200.json"
+    assert qlora.default_out("??") == "build/qlora_device.json"
+    assert not qlora.default_out("x").startswith("results")
+
+
+def test_table():
+    t = {"median_ms": 10.0}
+    payload = {
+        "rows": [{"shape": "2x2048", "bnb": {"median_ms": 12.0}, "nf4": t, "speedup": 1.2, "bitexact_vs_bnb": True,
+                  "bnb_deterministic": True,
+                  "routed": {"dequantize_4bit/nf4": 7, "_dequant_linear_fallback/nf4": 7,
+                             "dequantize_4bit/bitsandbytes": 1}},
+                 {"shape": "1x512", "bnb": t, "nf4": t, "speedup": 1.0, "bitexact_vs_bnb": None,
+                  "bnb_deterministic": False, "routed": {}},
+                 {"shape": "8x2048", "error": "OutOfMemoryError: CUDA out of memory"}],
+        "decode": [{"prompt_tokens": 16, "decode_tokens": 200, "bnb_tok_s": 50.0, "nf4_tok_s": 51.0, "speedup": 1.02,
+                    "tokens_identical": True}],
+    }
+    lines = qlora.table(payload).splitlines()
+    assert lines[0].startswith("| train step")
+    assert "| 2x2048 | 12.00 | 10.00 | 1.200x | yes | yes | 14 / 1 |" in lines
+    assert "| 1x512 | 10.00 | 10.00 | 1.000x | n/a | NO | 0 / 0 |" in lines
+    assert any(line.startswith("| 8x2048 | error: OutOfMemoryError") for line in lines)
+    assert "| 16 + 200 | 50.0 | 51.0 | 1.020x | yes |" in lines
