@@ -1,4 +1,4 @@
-"""python -m experiments {list, run, sm75, bench, probe, qlora}: see experiments/README.md.
+"""python -m experiments {list, run, sm75, bench, bench-linear, probe, qlora}: see experiments/README.md.
 
 Without a CUDA device, TRITON_INTERPRET=1 is set here, before anything imports triton, so that
 `run` checks the variants in Triton's interpreter. `sm75` (and `run --sm75`) compiles in a child
@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="GPU: nf4.dequantize against its peers, device and host time (experiments.bench)",
                    add_help=False)
+    sub.add_parser("bench-linear", help="GPU: nf4.linear against its peers, operand and sum checks, device and "
+                   "host time (experiments.bench_linear)", add_help=False)
     sub.add_parser("probe", help="GPU: where host and device time go, and the layout labs (experiments.probe)",
                    add_help=False)
     sub.add_parser("qlora", help="GPU: QLoRA train step and decode, bitsandbytes alone against nf4 patched in "
@@ -48,10 +50,10 @@ def main(argv=None) -> int:
     sm.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("bench", "probe", "qlora"):
+    if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora"):
         import importlib
 
-        return importlib.import_module(f"{__package__}.{argv[0]}").main(argv[1:])
+        return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])
     args = ap.parse_args(argv)
 
     from . import runner

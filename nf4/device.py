@@ -127,11 +127,17 @@ def nf4_level(nib, code_ptr, CODEBOOK: tl.constexpr):
 def mul(a, b, FTZ: tl.constexpr, ASM: tl.constexpr):
     """float32 a * b, rounded once; with FTZ, subnormal operands and results become signed zeros.
 
-    ASM: use PTX `mul.rn.ftz.f32`, which flushes in the multiplier itself (one instruction);
-    otherwise (Triton's interpreter has no PTX) flush with compares and selects.
+    ASM: use PTX `mul.rn.ftz.f32`, which flushes in the multiplier itself (one instruction), or
+    without FTZ `mul.rn.f32`, which the compiler cannot contract with a following add even when
+    a kernel is compiled with FMA contraction on; otherwise (Triton's interpreter has no PTX)
+    flush with compares and selects.
     """
     if FTZ and ASM:
         return tl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    elif ASM:
+        # IEEE product that no compile option can contract into an FMA (explicit rounding mode)
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
                                          dtype=tl.float32, is_pure=True, pack=1)
     elif FTZ:
         return flush(flush(a, True) * flush(b, True), True)
@@ -169,3 +175,29 @@ def store_rounded(out_ptr, idx, y, mask, BF16_BITS: tl.constexpr, STORE_CM: tl.c
     else:
         y_out = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + idx, y_out, mask=mask, cache_modifier=STORE_CM, eviction_policy=STORE_EVICT)
+
+
+@triton.jit
+def round_to(y, DT: tl.constexpr, BF16_BITS: tl.constexpr):
+    """float32 `y` rounded (RNE) to dtype code DT (0 float32, 1 float16, 2 bfloat16), in that dtype."""
+    if DT == 2:
+        if BF16_BITS:
+            r = to_bf16_rne(y)
+        else:
+            r = y.to(tl.bfloat16)
+    elif DT == 1:
+        r = y.to(tl.float16)
+    else:
+        r = y
+    return r
+
+
+@triton.jit
+def operand(y, W_DT: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
+    """A float32 dequantized weight as a matmul operand of dtype code X_DT: rounded first to the
+    weight's dtype W_DT (what `dequantize` returns), then converted to X_DT where that differs
+    (bitsandbytes' `dequantize_4bit(W).to(x.dtype)`). Codes: 0 float32, 1 float16, 2 bfloat16."""
+    w = round_to(y, W_DT, BF16_BITS)
+    if W_DT != X_DT:
+        w = round_to(w.to(tl.float32), X_DT, BF16_BITS)
+    return w

@@ -1,0 +1,394 @@
+"""Benchmark `nf4.linear` against its peers: the released code, run in the same process on the same GPU.
+
+    python -m experiments bench-linear                        # results under build/linear/ (--out to choose)
+    python -m experiments bench-linear --sweep                # also time the config grid (tuning)
+    python -m experiments bench-linear --shapes 14336x4096 --ms 1 16 256 --dtypes bf16
+
+Needs a CUDA GPU and bitsandbytes (Unsloth 2026.10.9 from `.peers/`, see verify/unsloth_release.py).
+For each weight (N x K, NF4, blocksize 64, double-quantized, as bitsandbytes quantizes it on the GPU)
+and each M (rows of x), every provider is first checked, then timed:
+- operand check: x made of signed power-of-two-scaled identity rows at random columns; the output must
+  equal the dequantized weight's columns (exactly scaled) bit for bit (docs/FORMAT.md §10). A
+  provider that fails is still timed (peers are what they are), and the row says so; a config of
+  nf4 that fails is not timed;
+- sum check: for the random x, the worst ratio of |y - x @ W (float64)| to the float32 accumulation
+  bound K * 2^-24 * sum|x w| + u * |x @ W| (u: the output dtype's unit roundoff), over x's first rows;
+- CUDA-graph device time with rotating weights and x (L2 holds nothing useful), and host time per
+  call at M = 1 and 512, in batches alternating with an empty Triton JIT launch.
+Rows also carry the byte floor (packed bytes + absmax + x + output at the copy bandwidth measured in
+the same run) and the flop floor at NOMINAL_TFLOPS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from nf4.linear import LinearConfig
+from nf4.linear import api as linear_api
+from verify import timing
+from verify.cases import clone_state
+from verify.timing import empty_jit_launch
+
+SHAPES = ["14336x4096", "4096x14336", "4096x4096", "1024x4096", "8192x2048", "2048x8192"]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+NOMINAL_TFLOPS = 989.4  # NVIDIA's dense bf16/fp16 tensor-core figure for the H100 SXM and the H200
+HOST_MS = (1, 512)
+
+# (block_r, warps, codebook, programs_per_sm); 32 bytes per row and step (half the blocksize of 64)
+GEMV_GRID = [(32, 2, 2, 16), (64, 4, 2, 8), (64, 4, 2, 4), (32, 2, 2, 8), (16, 1, 2, 16), (128, 4, 2, 4),
+             (64, 2, 2, 8), (32, 2, 0, 16), (64, 4, 0, 8)]
+# (block_m, block_n, block_k, warps, stages, swap, codebook); block_k is capped at the blocksize (64 here)
+GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128, 64, 4, 1, True, 2),
+             (32, 64, 64, 4, 1, True, 2), (64, 64, 64, 4, 1, True, 2), (64, 128, 64, 4, 1, False, 2),
+             (128, 128, 64, 8, 1, False, 2), (128, 128, 64, 8, 1, False, 0), (128, 256, 64, 8, 1, False, 2),
+             (128, 128, 64, 4, 1, False, 2), (128, 64, 64, 4, 1, False, 2), (64, 256, 64, 8, 1, False, 2)]
+
+
+def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
+    """The tuning grid at M rows: GEMV shapes for M <= 8 (forward), tl.dot tiles whose BLOCK_M suits M."""
+    out = []
+    if m <= 8 and not backward:
+        out += [LinearConfig(path="gemv", block_r=r, num_warps=w, codebook=cb, programs_per_sm=p)
+                for r, w, cb, p in GEMV_GRID]
+    top = max(16, triton_next_pow2(m))
+    for bm, bn, bk, w, st, swap, cb in GEMM_GRID:
+        if backward and swap:
+            continue
+        if bm <= top and (m <= 64 or bm >= 64):
+            out.append(LinearConfig(path="gemm", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
+                                    swap=swap, codebook=cb))
+    return out
+
+
+def triton_next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    n, k = text.lower().split("x")
+    return int(n), int(k)
+
+
+def make_weights(n: int, k: int, dtype, copies: int, seed: int = 0):
+    """(packed, QuantState) pairs: one weight quantized by bitsandbytes on the GPU, cloned for rotation."""
+    import bitsandbytes.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn((n, k), dtype=torch.float32, device="cuda", generator=gen) * 0.02).to(dtype)
+    packed, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    del w
+    return [(packed, qs)] + [(packed.clone(), clone_state(qs)) for _ in range(copies - 1)]
+
+
+def providers(m: int, k: int, unsloth) -> dict:
+    """name -> callable(x, packed, qs, dense) for M rows of x; the peers' released code."""
+    import bitsandbytes as bnb
+    from bitsandbytes.backends.cuda import ops as bnb_cuda_ops
+
+    import nf4
+
+    def bnb_args(qs):
+        s2 = qs.state2
+        return dict(bias=None, absmax_8bit=qs.absmax, absmax_code=s2.code, absmax_offset=qs.offset), s2.absmax
+
+    def bnb_fused(x, p, qs, d):
+        kw, absmax = bnb_args(qs)
+        return bnb_cuda_ops._gemm_4bit_kernel_impl(x, p.view(-1, 1), qs.shape, absmax, qs.blocksize, "nf4", **kw)
+
+    def bnb_fallback(x, p, qs, d):
+        kw, absmax = bnb_args(qs)
+        return bnb_cuda_ops._dequant_linear_fallback(x, p.view(-1, 1), qs.shape, absmax, qs.blocksize, "nf4", **kw)
+
+    provs = {
+        "nf4.linear": lambda x, p, qs, d: nf4.linear(x, p, qs),
+        "bnb.matmul_4bit": lambda x, p, qs, d: bnb.matmul_4bit(x, p.t(), quant_state=qs),
+        "bnb.gemm_4bit.fused_kernel": bnb_fused,
+        "bnb.gemm_4bit.fallback": bnb_fallback,
+        "nf4.dequantize+F.linear": lambda x, p, qs, d: torch.nn.functional.linear(x, nf4.dequantize(p, qs)),
+        "dense.F.linear(dequantized)": lambda x, p, qs, d: torch.nn.functional.linear(x, d),
+        "torch.compile(dequantize+linear)": _compile_peer(),
+    }
+    if unsloth is not None and m == 1:
+        provs["unsloth.2026.10.9.fast_gemv"] = lambda x, p, qs, d: unsloth.fast_gemv(x.view(1, 1, k), p, qs).view(1, -1)
+    return provs
+
+
+_compiled: list = []
+
+
+def _compile_peer():
+    """torch.compile of the plain PyTorch dequantization (verify.peers.torch_dequantize) + F.linear."""
+    from reference.format import NF4_CODE
+    from verify import peers
+
+    if not _compiled:
+        def deq_linear(x, packed, absmax_u8, absmax2, code2, offset, code, n, blocksize, shape0, shape1):
+            w = peers.torch_dequantize(packed, absmax_u8, absmax2, code2, offset, code, n, blocksize, x.dtype)
+            return torch.nn.functional.linear(x, w.view(shape0, shape1))
+
+        _compiled.append(torch.compile(deq_linear))
+    fn = _compiled[0]
+
+    codes = {}
+
+    def peer(x, p, qs, d):
+        code = codes.get(x.device)
+        if code is None:
+            code = codes[x.device] = torch.tensor(NF4_CODE, device=x.device)
+        s2 = qs.state2
+        return fn(x, p, qs.absmax, s2.absmax, s2.code, qs.offset, code, qs.shape[0] * qs.shape[1], qs.blocksize,
+                  qs.shape[0], qs.shape[1])
+
+    return peer
+
+
+def identity_rows(m: int, k: int, dtype, seed: int):
+    """x = signed power-of-two-scaled identity rows at random columns; returns (x, columns, scales)."""
+    g = torch.Generator().manual_seed(seed)
+    cols = torch.cat([torch.randperm(k, generator=g) for _ in range(-(-m // k))])[:m]
+    scales = torch.exp2(torch.randint(-2, 3, (m,), generator=g).double())
+    scales = scales * torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0).double()
+    x = torch.zeros((m, k), dtype=torch.float64)
+    x[torch.arange(m), cols] = scales
+    return x.to(dtype).cuda(), cols.cuda(), scales.cuda()
+
+
+def operand_expected(wd: torch.Tensor, cols, scales, dtype):
+    """Row i of the output: scales[i] * W[:, cols[i]], with the IEEE zero of an exact sum (+0 + -0 = +0)."""
+    return (wd.double()[:, cols].t() * scales[:, None] + 0.0).to(dtype)
+
+
+def sum_ratio(y, x, wd, rows: int = 16) -> float:
+    """Worst |y - x @ W^T| / bound over x's first rows (bound: docs/FORMAT.md §10)."""
+    xs, ys = x[:rows].double(), y[:rows].double()
+    ref = xs @ wd.double().t()
+    k = x.shape[-1]
+    u = 2.0**-8 if y.dtype == torch.bfloat16 else 2.0**-11
+    bound = k * 2.0**-24 * (xs.abs() @ wd.double().abs().t()) + u * ref.abs()
+    bound = torch.where(bound > 0, bound, torch.full_like(bound, 2.0**-149))
+    return float(((ys - ref).abs() / bound).max())
+
+
+def mismatches(got, want) -> int:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return -1
+    return int((got.view(torch.int16) != want.view(torch.int16)).sum())
+
+
+def floors(n, k, m, dtype_bytes, copy_gbs):
+    packed = n * k // 2
+    n_blocks = n * k // 64
+    absmax = n_blocks + (-(-n_blocks // 256)) * 4 + 256 * 4 + 4
+    xb, ob = m * k * dtype_bytes, m * n * dtype_bytes
+    byte_floor = (packed + absmax + xb + ob) / (copy_gbs * 1e9) * 1e6
+    flop_floor = 2.0 * m * n * k / (NOMINAL_TFLOPS * 1e12) * 1e6
+    return {"byte_floor_us": byte_floor, "flop_floor_us": flop_floor, "floor_us": max(byte_floor, flop_floor),
+            "packed_bytes": packed + absmax}
+
+
+def time_call(call, count):
+    g = timing.graph_time_us(call, list(range(count)))
+    return g
+
+
+def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=False, log=print, save=None,
+                 with_peers=True, sweep_paths=("gemv", "gemm")):
+    """Rows for one weight at every M (`save(rows)` is called after each M: a cut-off run keeps them)."""
+    import nf4
+
+    dtype_bytes = 2
+    copies = timing.rotation_count(n * k // 2, minimum=3)
+    sets = make_weights(n, k, dtype, copies)
+    wd = nf4.dequantize(*sets[0])
+    dense = [wd] + [wd.clone() for _ in range(max(1, timing.rotation_count(n * k * 2, minimum=2)) - 1)]
+    rows = []
+    for m in ms:
+        xcopies = max(copies, timing.rotation_count(m * k * 2, minimum=2))
+        gen = torch.Generator(device="cuda").manual_seed(m)
+        xs = [torch.randn((m, k), device="cuda", generator=gen).to(dtype) for _ in range(min(xcopies, 8))]
+        xid, cols, scales = identity_rows(m, k, dtype, seed=m * 7 + n)
+        want = operand_expected(wd, cols, scales, dtype)
+        fl = floors(n, k, m, dtype_bytes, copy_gbs)
+        base = {"N": n, "K": k, "M": m, "dtype": str(dtype).removeprefix("torch."), **fl}
+        count = max(len(sets), len(xs), len(dense))
+
+        for name, fn in (providers(m, k, unsloth) if with_peers else {}).items():
+            row = dict(base, provider=name)
+            try:
+                got = fn(xid, *sets[0], wd)
+                row["operand_mismatches"] = mismatches(got.reshape(m, n), want)
+                y = fn(xs[0], *sets[0], wd)
+                row["sum_ratio"] = sum_ratio(y.reshape(m, n), xs[0], wd)
+                g = time_call(_rotating(fn, xs, sets, dense), count)
+                if g and "median_us" in g:
+                    row["graph_us"] = g["median_us"]
+                    row["pct_of_floor"] = 100 * fl["floor_us"] / g["median_us"]
+                elif g:
+                    row["graph_error"] = g.get("error")
+                if m in HOST_MS:
+                    call = _rotating(fn, xs, sets, dense)
+                    h = timing.host_time_pair_us(call, list(range(count)), empty_jit_launch(), [None], calls=100,
+                                                 batches=9)
+                    row["host_us"], row["jit_host_us"] = h["median_us"], h["ref_median_us"]
+                if name == "nf4.linear":
+                    row["config"] = _config_dict(linear_api.tuned(linear_api._device_name(xs[0].device), m))
+            except Exception as exc:  # a peer that cannot take this case is reported, not fatal
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            log(_fmt(row))
+        if sweep:
+            for config in [c for c in sweep_configs(m) if c.path in sweep_paths]:
+                rows.append(_sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward=False))
+        if backward and m >= 16:
+            dys = [torch.randn((m, n), device="cuda", generator=gen).to(dtype) for _ in range(min(xcopies, 4))]
+            for config in [*sweep_configs(m, backward=True), None]:
+                rows.append(_backward_row(base, config, dys, sets, wd, count, log))
+            rows.append(_backward_dense_row(base, dys, dense, log))
+        torch.cuda.empty_cache()
+        if save is not None:
+            save(rows)
+    return rows
+
+
+def _rotating(fn, xs, sets, dense):
+    """callable(i): fn on the i-th x, weight and dense weight, each list rotated on its own."""
+    def call(i):
+        p, qs = sets[i % len(sets)]
+        return fn(xs[i % len(xs)], p, qs, dense[i % len(dense)])
+
+    return call
+
+
+def _config_dict(config: LinearConfig) -> dict:
+    from dataclasses import asdict
+
+    return asdict(config)
+
+
+def _sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward):
+    from nf4.linear.api import _weight, run
+
+    row = dict(base, provider="nf4.linear.sweep", config=_config_dict(config))
+    try:
+        def fn(x, p, qs):
+            return run(x, p, _weight(p, qs), None, config=config)
+
+        got = fn(xid, *sets[0])
+        row["operand_mismatches"] = mismatches(got, want)
+        if row["operand_mismatches"] == 0:
+            row["sum_ratio"] = sum_ratio(fn(xs[0], *sets[0]), xs[0], wd)
+            g = time_call(lambda i: fn(xs[i % len(xs)], *sets[i % len(sets)]), count)
+            if g and "median_us" in g:
+                row["graph_us"] = g["median_us"]
+                row["pct_of_floor"] = 100 * fl["floor_us"] / g["median_us"]
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    log(_fmt(row))
+    return row
+
+
+def _backward_row(base, config, dys, sets, wd, count, log):
+    from nf4.linear.api import _weight, run
+
+    m, n, k = base["M"], base["N"], base["K"]
+    row = dict(base, provider="nf4.linear.backward" + (".sweep" if config is not None else ""),
+               config=_config_dict(config) if config is not None else None)
+    try:
+        def fn(dy, p, qs):
+            return run(dy, p, _weight(p, qs), None, trans=True, config=config)
+
+        # operand: identity rows of dY pick rows of W
+        g = torch.Generator().manual_seed(m + k)
+        rows_ = torch.randint(0, n, (m,), generator=g).cuda()
+        did = torch.zeros((m, n), dtype=dys[0].dtype, device="cuda")
+        did[torch.arange(m, device="cuda"), rows_] = 1
+        want = (wd.double()[rows_] + 0.0).to(dys[0].dtype)
+        row["operand_mismatches"] = mismatches(fn(did, *sets[0]), want)
+        y = fn(dys[0], *sets[0])
+        row["sum_ratio"] = sum_ratio(y, dys[0], wd.t())
+        t = time_call(lambda i: fn(dys[i % len(dys)], *sets[i % len(sets)]), count)
+        if t and "median_us" in t:
+            row["graph_us"] = t["median_us"]
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    log(_fmt(row))
+    return row
+
+
+def _backward_dense_row(base, dys, dense, log):
+    row = dict(base, provider="dense.matmul(dY, W) backward")
+    t = time_call(lambda i: dys[i % len(dys)] @ dense[i % len(dense)], max(len(dys), len(dense)))
+    if t and "median_us" in t:
+        row["graph_us"] = t["median_us"]
+    log(_fmt(row))
+    return row
+
+
+def _fmt(r) -> str:
+    cfg = r.get("config")
+    c = ""
+    if cfg:
+        c = (f" gemv r{cfg['block_r']} w{cfg['num_warps']} cb{cfg['codebook']} p{cfg['programs_per_sm']}"
+             if cfg["path"] == "gemv" else
+             f" {cfg['path']} {cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} "
+             f"w{cfg['num_warps']} st{cfg['num_stages']}{' swap' if cfg.get('swap') else ''} cb{cfg['codebook']}")
+    g = r.get("graph_us")
+    return (f"{r['N']}x{r['K']} M={r['M']:<5} {r['dtype']:<8} {r['provider']:<34}{c:<28} "
+            f"{'' if g is None else f'{g:9.2f} us'} op_mis={r.get('operand_mismatches')} "
+            f"sum={r.get('sum_ratio', float('nan')):.3g} host={r.get('host_us', '')} {r.get('error', '')}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments bench-linear", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=SHAPES, help="N x K (out_features x in_features)")
+    ap.add_argument("--ms", nargs="+", type=int, default=MS)
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
+    ap.add_argument("--sweep", action="store_true", help="also time every config of the tuning grid")
+    ap.add_argument("--backward", action="store_true", help="also time dY @ W (configs and the table's choice)")
+    ap.add_argument("--sweep-shapes", nargs="+", default=None, help="restrict --sweep/--backward to these shapes")
+    ap.add_argument("--sweep-dtypes", nargs="+", default=["bf16"])
+    ap.add_argument("--no-peers", action="store_true", help="only nf4's sweep rows (tuning runs)")
+    ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "gemm"], help="config families to sweep")
+    ap.add_argument("--out", default=os.path.join("build", "linear", "bench.json"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench-linear needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from verify import peers
+
+    unsloth = None if peers.release_missing() else peers.unsloth_release()
+    copy_gbs = timing.copy_bandwidth_gbs()["gbs"]
+    env = timing.environment()
+    env["unsloth"] = unsloth.provenance() if unsloth is not None else peers.release_missing()
+    payload = {"env": env, "copy_gbs": copy_gbs, "nominal_tflops": NOMINAL_TFLOPS, "rows": []}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t0 = time.time()
+    for shape in args.shapes:
+        n, k = parse_shape(shape)
+        for dt in args.dtypes:
+            tune = (args.sweep_shapes is None or shape in args.sweep_shapes) and dt in args.sweep_dtypes
+            done = list(payload["rows"])
+
+            def save(rows, done=done):
+                payload["rows"] = done + rows
+                payload["elapsed_s"] = time.time() - t0
+                with open(args.out, "w") as f:
+                    json.dump(payload, f, indent=1, sort_keys=True, default=str)
+
+            bench_weight(n, k, DTYPES[dt], args.ms, copy_gbs, unsloth, sweep=args.sweep and tune,
+                         backward=args.backward and tune, save=save, with_peers=not args.no_peers,
+                         sweep_paths=args.sweep_paths)
+    print(f"wrote {args.out} ({len(payload['rows'])} rows, {time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

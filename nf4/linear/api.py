@@ -1,0 +1,343 @@
+"""`nf4.linear`: x @ W^T (+ bias) for a bitsandbytes NF4 weight, decoded inside the matmul.
+
+    y = nf4.linear(x, linear4bit.weight)                      # Params4bit (or the module itself)
+    y = nf4.linear(x, packed, quant_state, bias=b)             # packed tensor + QuantState
+
+The operand is the dequantized weight bit for bit (`nf4.dequantize(W).to(x.dtype)`, what
+bitsandbytes' `matmul_4bit` fallback multiplies by); the sum is float32 (docs/FORMAT.md §10).
+Differentiable in x and bias (W frozen, as in QLoRA): the backward computes dY @ W with the same
+kernels, reading the packed bytes transposed, never materialising W.
+
+The repeat call is kept short like `nf4.dequantize`'s: a QuantState validated once is remembered
+(`_Weight`, holding the state's tensors but never the packed weight), and each (M, dtype, bias)
+seen twice gets a launch bound by nf4.runtime, so the next call checks x and launches.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import triton
+
+from .. import runtime
+from ..dequant.api import _check_state, _dummy, _unpack_module, code_table
+from ..dequant.api import dequantize as _dequantize
+from .config import LinearConfig, tuned
+from .kernel import nf4_gemm_kernel, nf4_gemv_kernel, nf4_split_sum_kernel
+
+_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_X_DTYPES = (torch.float16, torch.bfloat16)
+_INT32_LIMIT = 2**31 - 1
+_weights: dict[int, _Weight] = {}
+_device_names: dict[int, str] = {}
+
+
+class _Weight:
+    """A validated NF4 weight state: what the kernels need besides the packed bytes and x."""
+
+    __slots__ = (
+        "K",
+        "N",
+        "__weakref__",
+        "absmax",
+        "absmax2",
+        "blocksize",
+        "code",
+        "code2",
+        "device",
+        "dtype",
+        "fused",
+        "launches",
+        "nested",
+        "offset",
+        "packed_dtype",
+        "packed_numel",
+        "qs_absmax",
+        "qs_shape",
+        "state2",
+        "state2_absmax",
+    )
+
+    def matches(self, qs, packed) -> bool:
+        return (qs.absmax is self.qs_absmax and qs.shape is self.qs_shape and qs.dtype is self.dtype
+                and getattr(qs, "state2", None) is self.state2
+                and (self.state2 is None or self.state2.absmax is self.state2_absmax)
+                and packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
+                and packed.device == self.device)
+
+
+def _device_name(device: torch.device) -> str:
+    if runtime.interpreting(device):
+        return ""
+    name = _device_names.get(device.index)
+    if name is None:
+        name = _device_names[device.index] = torch.cuda.get_device_name(device)
+    return name
+
+
+def _weight(packed: torch.Tensor, qs) -> _Weight:
+    """The validated state of (packed, qs): remembered per QuantState, checked in full the first time."""
+    w = _weights.get(id(qs))
+    if w is not None and w.matches(qs, packed):
+        return w
+    shape, n, _, blocksize, _, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, None)
+    if len(shape) != 2:
+        raise ValueError(f"quant_state.shape must be 2-D (out_features, in_features) for a linear, got {shape}")
+    w = _Weight()
+    w.N, w.K = shape
+    w.blocksize, w.nested, w.dtype = blocksize, nested, qs.dtype
+    w.absmax, w.absmax2, w.code2, w.offset = absmax, absmax2, code2, offset
+    w.device = packed.device
+    w.qs_absmax, w.qs_shape = qs.absmax, qs.shape
+    w.state2 = getattr(qs, "state2", None)
+    w.state2_absmax = w.state2.absmax if w.state2 is not None else None
+    w.packed_dtype, w.packed_numel = packed.dtype, packed.numel()
+    # the kernels need whole absmax blocks per row (bitsandbytes' own condition for its fused path)
+    w.fused = n > 0 and w.K % blocksize == 0
+    w.launches = {}
+    key = id(qs)
+    if key not in _weights:
+        weakref.finalize(qs, _weights.pop, key, None)
+    _weights[key] = w
+    return w
+
+
+def forget(quant_state) -> None:
+    """Drop what was remembered for `quant_state` (tests and benchmarks)."""
+    _weights.pop(id(quant_state), None)
+
+
+def split_k(config: LinearConfig, w: _Weight, m: int, trans: bool, device) -> tuple[int, int]:
+    """(programs along K, bytes of a row each) for the GEMV forward; (1, K / 2) for everything else."""
+    kb = w.K // 2
+    if config.path != "gemv" or trans:
+        return 1, kb
+    half = min(w.blocksize // 2, config.step_bytes)
+    steps = triton.cdiv(kb, half)
+    split = config.split_k
+    if split == 0:  # auto: enough programs for config.programs_per_sm on every multiprocessor
+        if runtime.interpreting(device):
+            split = 1
+        else:
+            want = config.programs_per_sm * runtime.sm_count(device)
+            split = triton.cdiv(want, triton.cdiv(w.N, config.block_r))
+    split = max(1, min(split, steps))
+    seg = triton.cdiv(steps, split) * half
+    return triton.cdiv(kb, seg), seg
+
+
+def kernel_args(x, packed, w: _Weight, bias, out, m: int, trans: bool, config: LinearConfig, ftz: bool,
+                interpreting: bool, part=None) -> list[tuple]:
+    """The launches of one fused product, [(kernel, grid, args, options)] (shared by the eager path and
+    nf4.ops): one, or for a split-K GEMV the partial products into `part` (float32, split * m * N)
+    and their ordered sum."""
+    dummy = _dummy(packed.device)
+    kb = w.K // 2
+    args = {
+        "x_ptr": x, "packed_ptr": packed, "absmax_ptr": w.absmax,
+        "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
+        "offset_ptr": w.offset if w.nested else dummy, "code_ptr": code_table(packed.device, config.codebook),
+        "bias_ptr": bias if bias is not None else dummy, "out_ptr": out,
+        "M": m, "N": w.N, "K": w.K, "KB": kb,
+        "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": ftz, "ASM": not interpreting,
+        "CODEBOOK": config.codebook, "W_DT": _DT[w.dtype], "X_DT": _DT[x.dtype], "TRANS": trans,
+        "HAS_BIAS": bias is not None, "BF16_BITS": interpreting or config.bf16_bits, "EVICT": config.evict,
+    }  # fmt: skip
+    if config.path == "gemv":
+        half = min(w.blocksize // 2, config.step_bytes)  # one absmax block per row and step
+        split, seg = split_k(config, w, m, trans, x.device)
+        args.update(BLOCK_M=triton.next_power_of_2(m), BLOCK_R=config.block_r, HALF=half, SPLIT=split, SEG=seg,
+                    PARTIAL=split > 1 and not trans)
+        options = {"num_warps": config.num_warps}
+        if trans:
+            return [(nf4_gemv_kernel, (triton.cdiv(kb, half),), args, options)]
+        grid = (triton.cdiv(w.N, config.block_r) * split,)
+        if split == 1:
+            return [(nf4_gemv_kernel, grid, args, options)]
+        args.update(out_ptr=part, HAS_BIAS=False)
+        sum_args = {"part_ptr": part, "bias_ptr": args["bias_ptr"], "out_ptr": out, "MN": m * w.N, "N": w.N,
+                    "SPLIT": split, "HAS_BIAS": bias is not None, "X_DT": _DT[x.dtype],
+                    "BF16_BITS": args["BF16_BITS"], "BLOCK": SUM_BLOCK}
+        return [(nf4_gemv_kernel, grid, args, options),
+                (nf4_split_sum_kernel, (triton.cdiv(m * w.N, SUM_BLOCK),), sum_args, {"num_warps": 4})]
+    block_k = min(w.blocksize, config.block_k)  # one absmax block per row and step
+    args.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP=config.group,
+                SWAP=config.swap and not trans, DOT_F32=interpreting)
+    tiles = triton.cdiv(kb, block_k // 2) if trans else triton.cdiv(w.N, config.block_n)
+    grid = (triton.cdiv(m, config.block_m) * tiles,)
+    return [(nf4_gemm_kernel, grid, args, {"num_warps": config.num_warps, "num_stages": config.num_stages})]
+
+
+SUM_BLOCK = 1024
+
+
+def _check_x(x, w: _Weight, trans: bool):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    want = w.N if trans else w.K
+    if x.dim() == 0 or x.shape[-1] != want:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected (..., {want}): the last dimension must be "
+                         f"{'out' if trans else 'in'}_features of the weight {(w.N, w.K)}")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device}, expected {w.device} like the weight")
+
+
+def _check_bias(bias, x, w: _Weight):
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if tuple(bias.shape) != (w.N,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({w.N},)")
+    if bias.dtype != x.dtype:
+        raise TypeError(f"bias has dtype {bias.dtype}, expected {x.dtype} like x")
+    if bias.device != w.device:
+        raise ValueError(f"bias is on {bias.device}, expected {w.device} like the weight")
+
+
+def _fused_ok(x, w: _Weight, m: int) -> bool:
+    return w.fused and x.dtype in _X_DTYPES and m * max(w.N, w.K) <= _INT32_LIMIT
+
+
+def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfig | None = None,
+        ftz: bool = True) -> torch.Tensor:
+    """One fused launch on checked inputs: x [..., K] -> [..., N] (trans: x [..., N] -> [..., K])."""
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    x2 = x.reshape(m, x.shape[-1])
+    if not x2.is_contiguous() or x2.data_ptr() % 4:
+        x2 = x2.contiguous() if x2.data_ptr() % 4 == 0 else x2.clone(memory_format=torch.contiguous_format)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    n_out = w.K if trans else w.N
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0 or n_out == 0:
+        return out.reshape(*lead, n_out)
+    interpreting = runtime.interpreting(x.device)
+    asked = config
+    if config is None:
+        config = tuned(_device_name(x.device), m, trans)
+    if config.path == "dequant":  # nf4.dequantize into a scratch weight, then cuBLAS
+        wt = _dequantize(packed, _qs_of(w, packed), ftz=ftz).to(x.dtype)
+        out = x2 @ wt if trans else torch.nn.functional.linear(x2, wt, bias)
+        return out.reshape(*lead, n_out)
+    key = (m, x.dtype, bias is not None, trans, asked, ftz)
+    plan = w.launches.get(key)
+    if (plan and x2.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
+            and (bias is None or bias.data_ptr() % 16 == 0)):
+        stream = runtime.raw_stream(x.device.index)
+        main, finish, part_numel = plan
+        if finish is None:
+            if bias is None:
+                main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), out.data_ptr())
+            else:
+                main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), out.data_ptr(), bias.data_ptr())
+        else:
+            part = torch.empty(part_numel, dtype=torch.float32, device=x.device)
+            main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), part.data_ptr())
+            if bias is None:
+                finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr())
+            else:
+                finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr(), bias.data_ptr())
+        return out.reshape(*lead, n_out)
+    split, _ = split_k(config, w, m, trans, x.device)
+    part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
+    launches = kernel_args(x2, packed, w, bias, out, m, trans, config, ftz, interpreting, part)
+    compiled = [runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
+                for fn, grid, args, options in launches]
+    if compiled[0] is not None and config.plan and not runtime.hooks_active() and all(
+            t.data_ptr() % 16 == 0 for t in (x2, packed, out) + ((bias,) if bias is not None else ())):
+        if plan is None:
+            w.launches[key] = 0  # seen once: bound on the second call, so a one-off M costs no bind
+        else:
+            with_bias = ("bias_ptr",) if bias is not None else ()
+            fn, grid, args, _ = launches[0]
+            main = runtime.bind(compiled[0], fn, grid, args, ("x_ptr", "packed_ptr", "out_ptr")
+                                + (with_bias if part is None else ()), x.device.index)
+            finish = None
+            if part is not None:
+                fn, grid, args, _ = launches[1]
+                finish = runtime.bind(compiled[1], fn, grid, args, ("part_ptr", "out_ptr", *with_bias),
+                                      x.device.index)
+            w.launches[key] = (main, finish, split * m * n_out)
+    return out.reshape(*lead, n_out)
+
+
+def _qs_of(w: _Weight, packed):
+    """A minimal QuantState-like view of a validated weight for nf4.dequantize (the dequant path)."""
+    return _StateView(w)
+
+
+class _StateView:
+    __slots__ = ("absmax", "blocksize", "dtype", "nested", "offset", "quant_type", "shape", "state2")
+
+    def __init__(self, w: _Weight):
+        self.absmax, self.shape, self.blocksize, self.dtype = w.qs_absmax, w.qs_shape, w.blocksize, w.dtype
+        self.nested, self.state2, self.offset, self.quant_type = w.nested, w.state2, w.offset, "nf4"
+
+
+class _LinearFn(torch.autograd.Function):
+    """x -> x @ W^T + bias with W frozen; backward dY @ W with the same kernels."""
+
+    @staticmethod
+    def forward(ctx, x, bias, packed, w, config, ftz):
+        ctx.packed, ctx.w, ctx.config, ctx.ftz = packed, w, config, ftz
+        ctx.has_bias = bias is not None
+        return _forward(x, packed, w, bias, config, ftz)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            g = grad if grad.dtype in _X_DTYPES else grad.to(torch.bfloat16)
+            if ctx.w.fused:
+                grad_x = run(g, ctx.packed, ctx.w, None, trans=True, config=None, ftz=ctx.ftz)
+            else:
+                wt = _dequantize(ctx.packed, _qs_of(ctx.w, ctx.packed), ftz=ctx.ftz)
+                grad_x = g @ wt.to(g.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, grad_bias, None, None, None, None
+
+
+def _forward(x, packed, w, bias, config, ftz):
+    m = math.prod(x.shape[:-1])
+    if _fused_ok(x, w, m):
+        return run(x, packed, w, bias, config=config, ftz=ftz)
+    # not fused: blocks that straddle rows, float32 x, or more than 2**31 elements of x or out
+    wt = _dequantize(packed, _qs_of(w, packed), ftz=ftz)
+    return torch.nn.functional.linear(x, wt.to(x.dtype), bias)
+
+
+def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None = None, *,
+           config: LinearConfig | None = None, ftz: bool | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) for an NF4 weight W of shape (out_features, in_features).
+
+    x: float16 or bfloat16 (float32 is accepted and goes through `nf4.dequantize` + F.linear),
+    any leading dimensions, last dimension in_features. weight: a `bnb.nn.Linear4bit`, a
+    `Params4bit`, or the packed tensor with its `quant_state` (double-quantized or not, any
+    quant_storage, bitsandbytes' packed layout). bias: (out_features,) in x's dtype, or None.
+    Returns (..., out_features) in x's dtype, accumulated in float32. Differentiable in x and
+    bias. config: a `nf4.LinearConfig` (default: the tuned table's choice for this GPU and M).
+    ftz: as in `nf4.dequantize` (default on for CUDA, off on CPU). Inputs are never modified.
+    """
+    if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
+        bias = getattr(weight, "bias", None)  # a Linear4bit brings its bias
+    packed, qs = _unpack_module(weight, quant_state)
+    w = _weight(packed, qs)
+    _check_x(x, w, False)
+    _check_bias(bias, x, w)
+    if ftz is not None and not isinstance(ftz, bool):
+        raise TypeError(f"ftz must be True, False or None (the device's default), got {type(ftz).__name__} {ftz!r}")
+    if config is not None and not isinstance(config, LinearConfig):
+        raise TypeError(f"config must be a nf4.LinearConfig, got {type(config).__name__}")
+    ftz = x.device.type == "cuda" if ftz is None else ftz
+    if torch.compiler.is_compiling():
+        from ..ops import linear_op
+
+        return linear_op(x, packed, w, bias, ftz)
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _LinearFn.apply(x, bias, packed, w, config, ftz)
+    return _forward(x, packed, w, bias, config, ftz)

@@ -1,0 +1,122 @@
+"""The fused linear's meta-parameters as a frozen value, and the tuned table that picks them per M.
+
+`nf4.linear` takes a `LinearConfig` or reads the table: rows (largest M, config) per GPU (a
+substring of `torch.cuda.get_device_name`) and direction ("forward": x @ W^T, "backward": dY @ W).
+A config names its path:
+- "gemv": nf4_gemv_kernel (FMAs, no tensor cores), for a few rows of x;
+- "gemm": nf4_gemm_kernel (`tl.dot`), decoding each W tile once per BLOCK_M rows of x;
+- "dequant": `nf4.dequantize` into a scratch weight, then `torch.nn.functional.linear` (forward only:
+  where a dense cuBLAS matmul on the dequantized weight measured faster than any fused tile).
+The rows come from measurements (results/linear/tuning_*.json); GPUs without rows use the H100's;
+Triton's interpreter takes the fused kernels at every M (INTERPRETER), so CPU runs exercise them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+PATHS = ("gemv", "gemm", "dequant")
+
+
+def _pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Meta-parameters of nf4.linear.kernel's kernels and which one runs."""
+
+    path: str = "gemv"
+    # gemv: rows of W per program (forward) or per step (backward), and bytes of a row per step
+    # (forward) or per program (backward), capped at half the blocksize (one absmax per row and step)
+    block_r: int = 32
+    step_bytes: int = 32
+    # gemv forward: programs along K (split-K; partial sums in float32, summed in order by a second
+    # kernel); 0 picks enough for programs_per_sm programs per multiprocessor (1 in the interpreter)
+    split_k: int = 0
+    programs_per_sm: int = 8
+    # gemm: output tile, K step (weights; capped at the blocksize), programs along M that share a W
+    # tile, pipeline stages
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    group: int = 8
+    swap: bool = False  # forward: out^T = W @ x^T, the decoded tile as tl.dot's first operand (small M)
+    num_stages: int = 3
+    num_warps: int = 4
+    codebook: int = 2  # 0: 16-entry table gather, 1: select tree, 2: 256-entry table of level pairs
+    evict: str = "evict_first"  # eviction policy of the packed bytes (read once per x tile)
+    bf16_bits: bool = False  # round to bfloat16 with integer ops on the GPU too (the interpreter always does)
+    plan: bool = True  # remember validated calls (the cheap repeat call)
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"LinearConfig.path must be one of {PATHS}, got {self.path!r}")
+        for name in ("block_r", "step_bytes", "block_m", "block_n", "block_k", "group"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"LinearConfig.{name} must be a power of two, got {getattr(self, name)}")
+        if self.split_k < 0 or self.programs_per_sm < 1:
+            raise ValueError(f"LinearConfig: split_k must be >= 0 and programs_per_sm >= 1, got {self.split_k}, "
+                             f"{self.programs_per_sm}")
+        if self.step_bytes < 16:
+            raise ValueError(f"LinearConfig.step_bytes must be at least 16, got {self.step_bytes}")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
+            raise ValueError("LinearConfig: tl.dot needs block_m >= 16, block_n >= 16 and block_k >= 32, got "
+                             f"{self.block_m}, {self.block_n}, {self.block_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"LinearConfig.num_warps must be a power of two up to 16, got {self.num_warps}")
+        if self.codebook not in (0, 1, 2):
+            raise ValueError(f"LinearConfig.codebook must be 0, 1 or 2, got {self.codebook}")
+
+    def with_(self, **changes) -> LinearConfig:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+# Measured on an H100 (results/linear/bench_h100.json, its sweep rows; bf16, 14336x4096, 4096x14336, 4096x4096): the
+# split-K GEMV up to 4 rows of x, the swapped tl.dot tile (the decoded W tile as the first operand) up
+# to 32, and above that nf4.dequantize + cuBLAS, which every fused tile tried was slower than (at
+# M = 64 by 4 % on 14336x4096, at M = 1024 by 2.9x). The backward's fused tiles were 2-5x slower than
+# nf4.dequantize + cuBLAS at every M measured (16-4096), so the table takes the latter; the fused
+# backward stays available as LinearConfig(path="gemm") and is tested operand-exact.
+GEMV = LinearConfig(path="gemv", block_r=32, num_warps=2, codebook=0, programs_per_sm=16)
+GEMM_SMALL = LinearConfig(path="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
+                          codebook=0)
+GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=1, codebook=0)
+DEQUANT = LinearConfig(path="dequant")
+
+Rows = tuple[tuple[int | None, LinearConfig], ...]
+TUNED: dict[str, dict[str, Rows]] = {
+    "H100": {
+        "forward": ((4, GEMV), (32, GEMM_SMALL), (None, DEQUANT)),
+        "backward": ((None, DEQUANT),),
+    },
+}
+DEFAULT_GPU = "H100"  # whose rows apply to a GPU with none of its own
+# Interpreter (CPU): the fused kernels at every M, so that CPU runs exercise them.
+INTERPRETER: dict[str, Rows] = {"forward": ((4, GEMV), (None, GEMM)), "backward": ((None, GEMM),)}
+
+# Rows of x from which nf4 (this table's path) measured faster than bitsandbytes 0.50.2's own choice
+# for `gemm_4bit` (its fused kernel or its dequantize + F.linear fallback), per GPU; below, a patched
+# bitsandbytes keeps its own kernel (nf4.integrations.bitsandbytes).
+ROUTE_GEMM_4BIT_MIN_M: dict[str, int] = {"H100": 128}
+
+
+def routes_gemm_4bit(device_name: str, m: int) -> bool:
+    """Whether a patched bitsandbytes should send a gemm_4bit of m rows to nf4 on this GPU."""
+    limit = next((v for gpu, v in ROUTE_GEMM_4BIT_MIN_M.items() if gpu in device_name),
+                 ROUTE_GEMM_4BIT_MIN_M[DEFAULT_GPU])
+    return m >= limit
+
+
+def tuned(device_name: str, m: int, backward: bool = False) -> LinearConfig:
+    """The tuned config for M rows of x on the named GPU ("" for the interpreter: the default rows)."""
+    if not device_name:
+        table = INTERPRETER
+    else:
+        table = next((t for gpu, t in TUNED.items() if gpu in device_name), TUNED[DEFAULT_GPU])
+    rows = table["backward" if backward else "forward"]
+    for limit, config in rows:
+        if limit is None or m <= limit:
+            return config
+    return rows[-1][1]

@@ -1,0 +1,301 @@
+"""The fused NF4 linear kernels: `x @ W^T` and its backward `dY @ W`, decoding W inside the kernel.
+
+W is bitsandbytes' NF4 weight of shape [N, K] (out_features, in_features) in its native packed
+layout: row n is K / 2 bytes starting at byte n * K / 2, element 2j of a row is the high nibble of
+byte j, and absmax block b covers elements b * BLOCKSIZE .. (b + 1) * BLOCKSIZE of the flattened
+weight. The API requires BLOCKSIZE to divide K (bitsandbytes' own condition for its fused path), so
+a block never straddles two rows and each row is a whole number of blocks.
+
+Decoding (nf4.device, docs/FORMAT.md §3-5 and §10): every weight is `NF4[code] * absmax` rounded
+once in float32 (FTZ like bitsandbytes' CUDA build), rounded to the weight's dtype (what
+`nf4.dequantize` returns) and converted to x's dtype where that differs (bitsandbytes'
+`dequantize_4bit(W).to(x.dtype)`): the kernels' operand is the dequantized weight bit for bit.
+A decoded tile is [rows, CHUNKS, CH] bytes: CH consecutive bytes lie in one absmax block
+(CH = min(bytes per block, bytes per step)), so the absmax is recovered once per (row, chunk)
+and broadcast over its bytes rather than gathered per weight.
+
+Two kernels:
+- `nf4_gemv_kernel` (small M): plain FMAs into a [BLOCK_M, rows, CHUNKS, CH] float32 accumulator,
+  one lane per (m, row, byte); the byte's two weights meet x[2j] and x[2j + 1]. Forward: a program
+  owns BLOCK_R rows of W and walks along K; the lanes are summed once at the end (two `tl.sum`s).
+  TRANS (backward, dX = dY @ W): a program owns BLOCK_C bytes of every row (2 * BLOCK_C columns of
+  dX) and walks down the rows; even and odd columns keep separate accumulators. The products of
+  two 16-bit floats are exact in float32, so an FMA and a multiply-add give the same sum; the
+  order of the float32 additions is the kernel's own (modelled bit for bit by
+  reference.linear.gemv_model for Triton's interpreter).
+- `nf4_gemm_kernel` (larger M): `tl.dot` (wgmma on Hopper, mma.sync on sm_80, sm_75 for float16)
+  on the decoded tile, float32 accumulation. The decoded halves are interleaved in registers
+  (`tl.join` + reshape) into the [BLOCK_N, BLOCK_K] tile. TRANS: out[M, K] += dY[M, BLOCK_N] @
+  W[BLOCK_N, BLOCK_K], the same tile untransposed.
+Both add an optional bias in float32 before the one rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nf4.device import absmax_of_block, high_nibble, low_nibble, mul, nf4_level, operand, round_to
+
+
+@triton.jit
+def _load_bytes(packed_ptr, rows, row_ok, c0, KB, end, HALF: tl.constexpr, EVICT: tl.constexpr):
+    """Bytes c0 .. c0 + HALF of W's `rows` (rows of KB bytes) as [R, HALF] uint8; zeros from byte `end`
+    of a row on and in rows past the weight."""
+    j = c0 + tl.arange(0, HALF)
+    ok = row_ok[:, None] & (j < end)[None, :]
+    return tl.load(packed_ptr + rows[:, None] * KB + j[None, :], mask=ok, other=0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _load_row_bytes(packed_ptr, rows, row_ok, c0, KB, HALF: tl.constexpr, EVICT: tl.constexpr):
+    """Bytes c0 .. c0 + HALF (inside the row) of W's `rows` as [R, HALF] uint8; zeros in rows past the weight."""
+    j = c0 + tl.arange(0, HALF)
+    return tl.load(packed_ptr + rows[:, None] * KB + j[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _decode(byte, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rows, row_ok, c0, KB,
+            BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
+            CODEBOOK: tl.constexpr, W_DT: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
+    """[R, HALF] bytes from c0 (HALF <= BLOCKSIZE / 2 and c0 a multiple of HALF: one absmax block per
+    row) -> (even, odd) weights [R, HALF] in x's dtype; rows past the weight decode as zeros."""
+    blk = (rows * KB + c0) // (BLOCKSIZE // 2)
+    # (c0 < KB always: the loops and the grids stay inside the row)
+    absmax = absmax_of_block(blk, row_ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, DOUBLE_QUANT, FTZ, ASM)
+    absmax = tl.where(row_ok, absmax, 0.0)[:, None]
+    if CODEBOOK == 2:  # one 8-byte gather per byte: both levels (see nf4.dequant.api.code_table)
+        pair = tl.load(code_ptr.to(tl.pointer_type(tl.uint64), bitcast=True) + byte.to(tl.int32),
+                       eviction_policy="evict_last")
+        hi_level = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        lo_level = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        hi_level = nf4_level(high_nibble(byte), code_ptr, CODEBOOK)
+        lo_level = nf4_level(low_nibble(byte), code_ptr, CODEBOOK)
+    hi = mul(hi_level, absmax, FTZ, ASM)
+    lo = mul(lo_level, absmax, FTZ, ASM)
+    return operand(hi, W_DT, X_DT, BF16_BITS), operand(lo, W_DT, X_DT, BF16_BITS)
+
+
+@triton.jit
+def _split_pairs(pair, X_DT: tl.constexpr):
+    """uint32 pairs of 16-bit x values (little-endian: element 2j in the low half) -> float32 (even, odd)."""
+    if X_DT == 2:
+        even = (pair << 16).to(tl.float32, bitcast=True)
+        odd = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        even = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def _split_pairs16(pair, X_DT: tl.constexpr):
+    """uint32 pairs of 16-bit x values -> (even, odd) in x's dtype (bit moves only)."""
+    if X_DT == 2:
+        dt = tl.bfloat16
+    else:
+        dt = tl.float16
+    even = (pair & 0xFFFF).to(tl.uint16).to(dt, bitcast=True)
+    odd = (pair >> 16).to(tl.uint16).to(dt, bitcast=True)
+    return even, odd
+
+
+@triton.jit
+def _bits16(y, X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
+    """float32 -> the output dtype's 16 bits, as uint32."""
+    r = round_to(y, X_DT, BF16_BITS)
+    return r.to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT"])
+def nf4_gemv_kernel(
+    x_ptr,  # [M, K] (TRANS: [M, N]) contiguous rows, float16 / bfloat16
+    packed_ptr,  # W's packed bytes (any storage dtype, read as uint8)
+    absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,  # first / second-level state (see nf4.dequant.kernel)
+    code_ptr,  # float32 [16] NF4 levels
+    bias_ptr,  # [N] in x's dtype (unused without HAS_BIAS)
+    out_ptr,  # [M, N] (TRANS: [M, K]) in x's dtype
+    M, N, K,
+    KB,  # bytes per row of W (K / 2); an argument so that Triton sees its divisibility by 16
+    BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
+    CODEBOOK: tl.constexpr,  # 0: 16-entry table gather, 1: select tree, 2: 256-entry table of level pairs
+    W_DT: tl.constexpr, X_DT: tl.constexpr,  # dtype codes (0 float32, 1 float16, 2 bfloat16)
+    TRANS: tl.constexpr,  # False: out = x @ W^T; True: out = x @ W
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # >= M, a power of two
+    BLOCK_R: tl.constexpr,  # rows of W per program (forward) or per step (TRANS)
+    HALF: tl.constexpr,  # bytes of a row per step (forward) or per program (TRANS); at most BLOCKSIZE / 2
+    SPLIT,  # forward: programs along K per block of rows (split-K)
+    SEG,  # forward: bytes of a row per split (a multiple of HALF)
+    PARTIAL: tl.constexpr,  # forward: write float32 partial sums [SPLIT, M, N] (SPLIT > 1)
+    BF16_BITS: tl.constexpr, EVICT: tl.constexpr,
+):
+    packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    pid = tl.program_id(0)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    if not TRANS:
+        # x as uint32 pairs: x[m, 2j] and x[m, 2j + 1] in one load
+        xw_ptr = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+        pid_k = pid % SPLIT
+        rows = (pid // SPLIT) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < N
+        first = pid_k * SEG
+        end = tl.minimum(first + SEG, KB)
+        acc = tl.zeros((BLOCK_M, BLOCK_R, HALF), dtype=tl.float32)  # a lane per (m, row, byte)
+        # Every step is whole (HALF divides SEG and KB), so the loads are masked by row only and
+        # vectorise; the prefetch after the last step re-reads that step (in bounds, unused).
+        nxt = _load_row_bytes(packed_ptr, rows, row_ok, first, KB, HALF, EVICT)
+        for c0 in range(first, end, HALF):
+            # the next step's bytes are requested before this step's are decoded
+            byte = nxt
+            nxt = _load_row_bytes(packed_ptr, rows, row_ok, tl.minimum(c0 + HALF, end - HALF), KB, HALF, EVICT)
+            w_even, w_odd = _decode(byte, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rows, row_ok,
+                                    c0, KB, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, W_DT, X_DT, BF16_BITS)
+            j = c0 + tl.arange(0, HALF)
+            pair = tl.load(xw_ptr + m[:, None] * KB + j[None, :], mask=m_ok[:, None], other=0)
+            x_even, x_odd = _split_pairs(pair, X_DT)
+            # products of 16-bit floats are exact in float32: fma(w, x, acc) == acc + w * x
+            acc = tl.fma(w_even.to(tl.float32)[None], x_even[:, None, :], acc)
+            acc = tl.fma(w_odd.to(tl.float32)[None], x_odd[:, None, :], acc)
+        y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
+        ok = m_ok[:, None] & row_ok[None, :]
+        if PARTIAL:  # float32 partials [SPLIT, M, N], summed in order by nf4_split_sum_kernel
+            tl.store(out_ptr + (pid_k * M + m[:, None]) * N + rows[None, :], y, mask=ok)
+        else:
+            if HAS_BIAS:
+                y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + m[:, None] * N + rows[None, :], round_to(y, X_DT, BF16_BITS), mask=ok)
+    else:
+        # this program's HALF bytes of every row: dX columns 2j and 2j + 1
+        c0 = pid * HALF
+        acc_even = tl.zeros((BLOCK_M, BLOCK_R, HALF), dtype=tl.float32)
+        acc_odd = tl.zeros((BLOCK_M, BLOCK_R, HALF), dtype=tl.float32)
+        for r0 in range(0, N, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_ok = rows < N
+            byte = _load_bytes(packed_ptr, rows, row_ok, c0, KB, KB, HALF, EVICT)
+            w_even, w_odd = _decode(byte, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rows, row_ok,
+                                    c0, KB, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, W_DT, X_DT, BF16_BITS)
+            dy = tl.load(x_ptr + m[:, None] * N + rows[None, :], mask=m_ok[:, None] & row_ok[None, :], other=0.0)
+            dy = dy.to(tl.float32)[:, :, None]
+            acc_even = tl.fma(w_even.to(tl.float32)[None], dy, acc_even)
+            acc_odd = tl.fma(w_odd.to(tl.float32)[None], dy, acc_odd)
+        y_even = tl.sum(acc_even, axis=1)  # [BLOCK_M, HALF]
+        y_odd = tl.sum(acc_odd, axis=1)
+        # one 32-bit store per column pair: column 2j in the low half
+        j = c0 + tl.arange(0, HALF)
+        pair = _bits16(y_even, X_DT, BF16_BITS) | (_bits16(y_odd, X_DT, BF16_BITS) << 16)
+        outw_ptr = out_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+        tl.store(outw_ptr + m[:, None] * KB + j[None, :], pair, mask=m_ok[:, None] & (j < KB)[None, :])
+
+
+@triton.jit
+def nf4_split_sum_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         X_DT: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = round(((part[0] + part[1]) + ...) + bias) over MN = M * N outputs: split-K's second pass."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    y = tl.load(part_ptr + i, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        y += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, round_to(y, X_DT, BF16_BITS), mask=ok)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def nf4_gemm_kernel(
+    x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
+    M, N, K, KB,
+    BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
+    CODEBOOK: tl.constexpr, W_DT: tl.constexpr, X_DT: tl.constexpr, TRANS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # weights of a row per step (at most BLOCKSIZE): BLOCK_K / 2 bytes
+    GROUP: tl.constexpr,  # output tiles along M that run next to each other (W tile reuse in L2)
+    SWAP: tl.constexpr,  # forward: compute out^T = W @ x^T (the decoded tile is tl.dot's first operand)
+    BF16_BITS: tl.constexpr, EVICT: tl.constexpr,
+    DOT_F32: tl.constexpr,  # multiply float32 copies of the 16-bit operands (exact; Triton's interpreter
+    # multiplies bfloat16 tiles as their integer bits)
+):
+    """Forward: out[M, N] = x[M, K] @ W^T (+ bias); TRANS: out[M, K] = x[M, N] @ W. The grid is
+    cdiv(M, BLOCK_M) * cdiv(N or K, BLOCK_N or BLOCK_K) programs. A step decodes BLOCK_K / 2 bytes of
+    BLOCK_N rows into their even and odd weights and multiplies each half with the matching half of
+    x's columns (two tl.dot of K = BLOCK_K / 2), so no interleave of the decoded tile is needed."""
+    packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    HALF: tl.constexpr = BLOCK_K // 2
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    # program order: GROUP tiles along M for each tile of W's output dimension, so the programs
+    # that share a decoded W tile run together
+    if not TRANS:
+        n_o = tl.cdiv(N, BLOCK_N)
+    else:
+        n_o = tl.cdiv(KB, HALF)
+    per_group = GROUP * n_o
+    group = pid // per_group
+    first_m = group * GROUP
+    size = tl.minimum(n_m - first_m, GROUP)
+    pid_m = first_m + (pid % per_group) % size
+    pid_o = (pid % per_group) // size
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    if not TRANS:
+        xw_ptr = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)  # x[m, 2j] and x[m, 2j + 1] in one load
+        rows = pid_o * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        nxt = _load_bytes(packed_ptr, rows, row_ok, 0, KB, KB, HALF, EVICT)
+        for c0 in range(0, KB, HALF):
+            byte = nxt
+            nxt = _load_bytes(packed_ptr, rows, row_ok, c0 + HALF, KB, KB, HALF, EVICT)
+            w_even, w_odd = _decode(byte, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rows, row_ok,
+                                    c0, KB, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, W_DT, X_DT, BF16_BITS)
+            j = c0 + tl.arange(0, HALF)
+            pair = tl.load(xw_ptr + m[:, None] * KB + j[None, :], mask=m_ok[:, None] & (j < KB)[None, :], other=0)
+            x_even, x_odd = _split_pairs16(pair, X_DT)
+            if SWAP:
+                acc = _dot(w_even, tl.trans(x_even), acc, DOT_F32)
+                acc = _dot(w_odd, tl.trans(x_odd), acc, DOT_F32)
+            else:
+                acc = _dot(x_even, tl.trans(w_even), acc, DOT_F32)
+                acc = _dot(x_odd, tl.trans(w_odd), acc, DOT_F32)
+        if SWAP:
+            acc = tl.trans(acc)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        out = round_to(acc, X_DT, BF16_BITS)
+        tl.store(out_ptr + m[:, None] * N + rows[None, :], out, mask=m_ok[:, None] & row_ok[None, :])
+    else:
+        c0 = pid_o * HALF
+        acc_even = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+        acc_odd = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+        nxt = _load_bytes(packed_ptr, tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_N) < N, c0, KB, KB, HALF, EVICT)
+        for r0 in range(0, N, BLOCK_N):
+            rows = r0 + tl.arange(0, BLOCK_N)
+            row_ok = rows < N
+            byte = nxt
+            nxt = _load_bytes(packed_ptr, rows + BLOCK_N, rows + BLOCK_N < N, c0, KB, KB, HALF, EVICT)
+            w_even, w_odd = _decode(byte, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rows, row_ok,
+                                    c0, KB, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, W_DT, X_DT, BF16_BITS)
+            dy = tl.load(x_ptr + m[:, None] * N + rows[None, :], mask=m_ok[:, None] & row_ok[None, :], other=0.0)
+            acc_even = _dot(dy, w_even, acc_even, DOT_F32)
+            acc_odd = _dot(dy, w_odd, acc_odd, DOT_F32)
+        # columns 2j and 2j + 1 of dX as one 32-bit word
+        j = c0 + tl.arange(0, HALF)
+        pair = _bits16(acc_even, X_DT, BF16_BITS) | (_bits16(acc_odd, X_DT, BF16_BITS) << 16)
+        outw_ptr = out_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+        tl.store(outw_ptr + m[:, None] * KB + j[None, :], pair, mask=m_ok[:, None] & (j < KB)[None, :])
