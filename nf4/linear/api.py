@@ -104,6 +104,20 @@ def _weight(packed: torch.Tensor, qs) -> _Weight:
     return w
 
 
+def _traced_weight(packed, qs) -> _Weight:
+    """The checks of `_weight` without its cache (what torch.compile traces)."""
+    shape, n, _, blocksize, _, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, None)
+    if len(shape) != 2:
+        raise ValueError(f"quant_state.shape must be 2-D (out_features, in_features) for a linear, got {shape}")
+    w = _Weight()
+    w.N, w.K = shape
+    w.blocksize, w.nested, w.dtype = blocksize, nested, qs.dtype
+    w.absmax, w.absmax2, w.code2, w.offset = absmax, absmax2, code2, offset
+    w.device = packed.device
+    w.fused = n > 0 and w.K % blocksize == 0
+    return w
+
+
 def forget(quant_state) -> None:
     """Drop what was remembered for `quant_state` (tests and benchmarks)."""
     _weights.pop(id(quant_state), None)
@@ -128,17 +142,21 @@ def split_k(config: LinearConfig, w: _Weight, m: int, trans: bool, device) -> tu
     return triton.cdiv(kb, seg), seg
 
 
-def kernel_args(x, packed, w: _Weight, bias, out, m: int, trans: bool, config: LinearConfig, ftz: bool,
-                interpreting: bool, part=None) -> list[tuple]:
+def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConfig, ftz: bool,
+                interpreting: bool, part=None, *, code=None, dummy=None) -> list[tuple]:
     """The launches of one fused product, [(kernel, grid, args, options)] (shared by the eager path and
     nf4.ops): one, or for a split-K GEMV the partial products into `part` (float32, split * m * N)
-    and their ordered sum."""
-    dummy = _dummy(packed.device)
+    and their ordered sum. `code` and `dummy` (the level table and a stand-in for absent tensors)
+    are looked up unless given (nf4.ops passes them as the op's inputs)."""
+    if dummy is None:
+        dummy = _dummy(packed.device)
+    if code is None:
+        code = code_table(packed.device, config.codebook)
     kb = w.K // 2
     args = {
         "x_ptr": x, "packed_ptr": packed, "absmax_ptr": w.absmax,
         "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
-        "offset_ptr": w.offset if w.nested else dummy, "code_ptr": code_table(packed.device, config.codebook),
+        "offset_ptr": w.offset if w.nested else dummy, "code_ptr": code,
         "bias_ptr": bias if bias is not None else dummy, "out_ptr": out,
         "M": m, "N": w.N, "K": w.K, "KB": kb,
         "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": ftz, "ASM": not interpreting,
@@ -326,7 +344,7 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
         bias = getattr(weight, "bias", None)  # a Linear4bit brings its bias
     packed, qs = _unpack_module(weight, quant_state)
-    w = _weight(packed, qs)
+    w = _weight(packed, qs) if not torch.compiler.is_compiling() else _traced_weight(packed, qs)
     _check_x(x, w, False)
     _check_bias(bias, x, w)
     if ftz is not None and not isinstance(ftz, bool):
@@ -337,7 +355,11 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
     if torch.compiler.is_compiling():
         from ..ops import linear_op
 
-        return linear_op(x, packed, w, bias, ftz)
+        if not _fused_ok(x, w, math.prod(x.shape[:-1])):
+            return torch.nn.functional.linear(x, _dequantize(packed, qs, ftz=ftz).to(x.dtype), bias)
+
+        return linear_op(x, packed, (w.absmax, w.absmax2, w.code2, w.offset, w.N, w.K, w.blocksize, w.dtype), bias,
+                         ftz)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearFn.apply(x, bias, packed, w, config, ftz)
     return _forward(x, packed, w, bias, config, ftz)
