@@ -27,6 +27,14 @@ What is patched (bitsandbytes 0.50.2), and why:
   module's globals at call time, so rebinding it routes that dequantization. Patched only where that
   module is loaded (bitsandbytes imports it when CUDA is available).
 
+* `bitsandbytes.backends.cuda.ops._gemm_4bit_use_custom_fn`: the per-architecture heuristic that the
+  CUDA `gemm_4bit` kernel consults (for M up to 1536 rows) to choose between its fused cgemm_4bit
+  kernel and `_dequant_linear_fallback`. The replacement answers "fallback" where nf4's measured table
+  (`nf4.linear.config.routes_gemm_4bit`: the rows of x from which nf4.linear's path, nf4.dequantize +
+  cuBLAS there, measured faster than bitsandbytes' own choice on that GPU) says so, and asks the
+  original heuristic elsewhere; the fallback it then takes is the patched one above, so those
+  forwards run nf4.linear's path bit for bit (`F.linear(A, nf4.dequantize(B))`).
+
 Not routed: the CPU forward (`gemm_4bit`'s "default" kernel calls the op
 `torch.ops.bitsandbytes.dequantize_4bit`, not the Python function; the dispatcher holds its own
 reference to the kernel, and overriding a torch.library registration is process-global and cannot be
@@ -65,6 +73,7 @@ __all__ = [
     "reset_routed_counts",
     "route_dequant_linear_fallback",
     "route_dequantize_4bit",
+    "route_gemm_4bit_choice",
     "routed_counts",
     "unpatch_bitsandbytes",
 ]
@@ -214,6 +223,36 @@ def route_dequant_linear_fallback(original):
     return _dequant_linear_fallback
 
 
+def _device_name(device_index) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def route_gemm_4bit_choice(original):
+    """The replacement for `bitsandbytes.backends.cuda.ops._gemm_4bit_use_custom_fn` (`original`).
+
+    Same signature, (device_index, dtype, M, N, K) -> use bitsandbytes' fused kernel. Returns False
+    (take the fallback, routed to nf4) for M at or above the measured threshold of the GPU in
+    `nf4.linear.config.ROUTE_GEMM_4BIT_MIN_M`, else what the original heuristic says.
+    """
+    replacement = _replacements.get(original)
+    if replacement is not None:
+        return replacement
+
+    @functools.wraps(original)
+    def _gemm_4bit_use_custom_fn(device_index, dtype, M, N, K):
+        from ..linear.config import routes_gemm_4bit
+
+        if _patches and dtype in (torch.float16, torch.bfloat16) and routes_gemm_4bit(_device_name(device_index), M):
+            _count("_gemm_4bit_use_custom_fn", "nf4")
+            return False
+        _count("_gemm_4bit_use_custom_fn", "bitsandbytes")
+        return original(device_index, dtype, M, N, K)
+
+    _gemm_4bit_use_custom_fn._nf4_original = original
+    _replacements[original] = _gemm_4bit_use_custom_fn
+    return _gemm_4bit_use_custom_fn
+
+
 # --- patching -------------------------------------------------------------------------------------
 
 
@@ -231,6 +270,9 @@ def _targets() -> list[tuple[object, object]]:
     cuda_ops = sys.modules.get("bitsandbytes.backends.cuda.ops")
     if cuda_ops is not None and callable(getattr(cuda_ops, "_dequant_linear_fallback", None)):
         found.append((cuda_ops._dequant_linear_fallback, route_dequant_linear_fallback))
+    if (cuda_ops is not None and callable(getattr(cuda_ops, "_gemm_4bit_use_custom_fn", None))
+            and torch.version.hip is None):
+        found.append((cuda_ops._gemm_4bit_use_custom_fn, route_gemm_4bit_choice))
     targets = []
     for value, make in found:
         original = _original_of(value)  # patched already: the replacement's original

@@ -39,6 +39,7 @@ from nf4.integrations.bitsandbytes import (
     patched_names,
     reset_routed_counts,
     route_dequant_linear_fallback,
+    route_gemm_4bit_choice,
     routed_counts,
 )
 from verify.exact import assert_bitexact
@@ -563,6 +564,64 @@ def test_linear4bit_cuda_fallback_forward_and_backward(nf4h, compress_statistics
     assert _counts(FB) == (1, 0) and _counts(DQ) == (1, 0)
     assert_bitexact(y1, y0, name="output")
     assert_bitexact(g1, g0, name="input gradient")
+
+
+UC = "_gemm_4bit_use_custom_fn"
+
+
+@pytest.mark.parametrize("m", [1, 127, 128, 1000])
+@pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "Some Other GPU"])
+def test_gemm_4bit_choice_route(monkeypatch, device_name, m):
+    """The replacement of `_gemm_4bit_use_custom_fn` answers "fallback" (False: routed to nf4) from the
+    measured row threshold of the GPU on (nf4.linear.config.routes_gemm_4bit), and asks the original
+    heuristic below it with the caller's arguments; unpatched it always asks the original."""
+    from nf4.integrations import bitsandbytes as integ
+    from nf4.linear.config import routes_gemm_4bit
+
+    monkeypatch.setattr(integ, "_device_name", lambda index: device_name)
+    calls = []
+
+    def original(*args):
+        calls.append(args)
+        return "original"
+
+    route = route_gemm_4bit_choice(original)
+    args = (0, torch.bfloat16, m, 4096, 1024)
+    with nf4.patched_bitsandbytes():
+        got = route(*args)
+    if routes_gemm_4bit(device_name, m):
+        assert got is False and not calls and _counts(UC) == (1, 0)
+    else:
+        assert got == "original" and calls == [args] and _counts(UC) == (0, 1)
+    assert route(*args) == "original"  # not patched: the original
+    assert route(0, torch.float32, 4096, 64, 64) == "original"
+    assert route_gemm_4bit_choice(original) is route  # one replacement per original
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_linear4bit_cuda_gemm_route(nf4h):
+    """CUDA: a Linear4bit forward of M rows at or above the GPU's routing threshold goes to nf4 (the
+    heuristic's replacement says fallback, the fallback dequantizes with nf4), bit-identical to
+    bitsandbytes' own dequantize + F.linear; below the threshold bitsandbytes' choice is asked."""
+    from nf4.linear.config import ROUTE_GEMM_4BIT_MIN_M, routes_gemm_4bit
+
+    name = torch.cuda.get_device_name(0)
+    m_route = next((v for gpu, v in ROUTE_GEMM_4BIT_MIN_M.items() if gpu in name), min(ROUTE_GEMM_4BIT_MIN_M.values()))
+    seed = nf4h.case_seed("bnb-gemm-route")
+    layer = _linear4bit(nf4h, 256, 96, seed, compress_statistics=True, compute_dtype=torch.bfloat16, device="cuda")
+    x = nf4h.make_weight((m_route, 256), torch.bfloat16, seed + 2, "cuda")
+    assert routes_gemm_4bit(name, m_route)
+    with torch.no_grad():
+        expect = torch.nn.functional.linear(x, F.dequantize_4bit(layer.weight, layer.weight.quant_state).to(x.dtype))
+        reset_routed_counts()
+        with nf4.patched_bitsandbytes():
+            got = layer(x)
+            small = layer(x[:1])
+    assert _counts(UC)[0] == 1 and _counts(FB)[0] == 1
+    assert _counts(UC)[1] <= 1  # the one-row call asked bitsandbytes' heuristic (if it consulted it)
+    assert_bitexact(got, expect, name="routed forward")
+    assert small.shape == (1, 96)
 
 
 # --- 5. import nf4 alone ---------------------------------------------------------------------------
