@@ -14,6 +14,9 @@ stderr):
                                   (results/experiments.csv is read when the JSON is missing)
     results/experiments_sm75.json python -m experiments sm75: the offline sm_75 builds (or .csv), used
                                   when experiments.json carries no sm75 section
+    results/linear/bench_<gpu>.json   python -m experiments bench-linear (gpu: h100, h200): the fused
+    results/linear/bench2_<gpu>.json  linear against its peers, bf16 on the bar weights (bench) and fp16
+                                  on four more weights (bench2)
 
 Two inputs are not measurements and live outside results/: `paper/published_claims.json` (what other
 people report, quoted with its source, so that no number of theirs is typed into main.tex) and the
@@ -34,7 +37,7 @@ import sys
 from pathlib import Path
 
 from paper.latex import NM, Document
-from paper.sections import bench, challenge, claims, codebook, experiments, known, probe, tuning, verify
+from paper.sections import bench, challenge, claims, codebook, experiments, known, linear, probe, tuning, verify
 
 # This module reads the inputs that several sections share and runs the sections in order; paper/sections/
 # holds one module per section, paper/latex.py what they share. NM is re-exported for the tests.
@@ -62,6 +65,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/experiments.json", experiments.build, experiments_data)
     doc.section("results/tuning/", tuning.build, tuning.load(doc))
     doc.section("results/probe_<gpu>.json", probe.build, probe.load(doc))
+    doc.section("results/linear/", linear.build, linear.load(doc))
     doc.section("paper/published_claims.json", claims.build, Path(claims_path))
     doc.provenance()
     doc.write("macros.tex", doc.macros_tex())
