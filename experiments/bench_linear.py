@@ -133,7 +133,7 @@ def _compile_peer():
             w = peers.torch_dequantize(packed, absmax_u8, absmax2, code2, offset, code, n, blocksize, x.dtype)
             return torch.nn.functional.linear(x, w.view(shape0, shape1))
 
-        _compiled.append(torch.compile(deq_linear))
+        _compiled.append(torch.compile(deq_linear, dynamic=True))  # one compile for every shape and M
     fn = _compiled[0]
 
     codes = {}
