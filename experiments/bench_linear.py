@@ -273,12 +273,12 @@ def _config_dict(config: LinearConfig) -> dict:
 
 
 def _sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward):
-    from nf4.linear.api import _weight, run
+    from nf4.linear.api import run, weight_state
 
     row = dict(base, provider="nf4.linear.sweep", config=_config_dict(config))
     try:
         def fn(x, p, qs):
-            return run(x, p, _weight(p, qs), None, config=config)
+            return run(x, p, weight_state(p, qs), None, config=config)
 
         got = fn(xid, *sets[0])
         row["operand_mismatches"] = mismatches(got, want)
@@ -295,14 +295,14 @@ def _sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward):
 
 
 def _backward_row(base, config, dys, sets, wd, count, log):
-    from nf4.linear.api import _weight, run
+    from nf4.linear.api import run, weight_state
 
     m, n, k = base["M"], base["N"], base["K"]
     row = dict(base, provider="nf4.linear.backward" + (".sweep" if config is not None else ""),
                config=_config_dict(config) if config is not None else None)
     try:
         def fn(dy, p, qs):
-            return run(dy, p, _weight(p, qs), None, trans=True, config=config)
+            return run(dy, p, weight_state(p, qs), None, trans=True, config=config)
 
         # operand: identity rows of dY pick rows of W
         g = torch.Generator().manual_seed(m + k)

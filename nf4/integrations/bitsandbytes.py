@@ -227,13 +227,15 @@ def _device_name(device_index) -> str:
     return torch.cuda.get_device_name(device_index)
 
 
-def route_gemm_4bit_choice(original):
+def route_gemm_4bit_choice(original, device_name=None):
     """The replacement for `bitsandbytes.backends.cuda.ops._gemm_4bit_use_custom_fn` (`original`).
 
     Same signature, (device_index, dtype, M, N, K) -> use bitsandbytes' fused kernel. Returns False
     (take the fallback, routed to nf4) for M at or above the measured threshold of the GPU in
-    `nf4.linear.config.ROUTE_GEMM_4BIT_MIN_M`, else what the original heuristic says.
+    `nf4.linear.config.ROUTE_GEMM_4BIT_MIN_M`, else what the original heuristic says. device_name:
+    device index -> GPU name (default `torch.cuda.get_device_name`; tests pass their own).
     """
+    name_of = device_name or _device_name
     replacement = _replacements.get(original)
     if replacement is not None:
         return replacement
@@ -242,7 +244,7 @@ def route_gemm_4bit_choice(original):
     def _gemm_4bit_use_custom_fn(device_index, dtype, M, N, K):
         from ..linear.config import routes_gemm_4bit
 
-        if _patches and dtype in (torch.float16, torch.bfloat16) and routes_gemm_4bit(_device_name(device_index), M):
+        if _patches and dtype in (torch.float16, torch.bfloat16) and routes_gemm_4bit(name_of(device_index), M):
             _count("_gemm_4bit_use_custom_fn", "nf4")
             return False
         _count("_gemm_4bit_use_custom_fn", "bitsandbytes")

@@ -77,8 +77,9 @@ def _device_name(device: torch.device) -> str:
     return name
 
 
-def _weight(packed: torch.Tensor, qs) -> _Weight:
-    """The validated state of (packed, qs): remembered per QuantState, checked in full the first time."""
+def weight_state(packed: torch.Tensor, qs) -> _Weight:
+    """The validated state of (packed, qs) that `run` takes: remembered per QuantState (never holding
+    the packed weight or the QuantState itself), checked in full the first time."""
     w = _weights.get(id(qs))
     if w is not None and w.matches(qs, packed):
         return w
@@ -116,6 +117,9 @@ def _traced_weight(packed, qs) -> _Weight:
     w.device = packed.device
     w.fused = n > 0 and w.K % blocksize == 0
     return w
+
+
+_weight = weight_state
 
 
 def forget(quant_state) -> None:
@@ -284,12 +288,16 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
 
 
 def _qs_of(w: _Weight, packed):
-    """A minimal QuantState-like view of a validated weight for nf4.dequantize (the dequant path)."""
-    return _StateView(w)
+    """A QuantState-like view of a validated weight for nf4.dequantize (the dequant path), one per weight,
+    so that nf4.dequantize's repeat-call plan serves it (it holds the state's tensors, not the state)."""
+    view = getattr(w, "view", None)
+    if view is None:
+        view = w.view = _StateView(w)
+    return view
 
 
 class _StateView:
-    __slots__ = ("absmax", "blocksize", "dtype", "nested", "offset", "quant_type", "shape", "state2")
+    __slots__ = ("__weakref__", "absmax", "blocksize", "dtype", "nested", "offset", "quant_type", "shape", "state2")
 
     def __init__(self, w: _Weight):
         self.absmax, self.shape, self.blocksize, self.dtype = w.qs_absmax, w.qs_shape, w.blocksize, w.dtype

@@ -571,21 +571,19 @@ UC = "_gemm_4bit_use_custom_fn"
 
 @pytest.mark.parametrize("m", [1, 127, 128, 1000])
 @pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "Some Other GPU"])
-def test_gemm_4bit_choice_route(monkeypatch, device_name, m):
+def test_gemm_4bit_choice_route(device_name, m):
     """The replacement of `_gemm_4bit_use_custom_fn` answers "fallback" (False: routed to nf4) from the
     measured row threshold of the GPU on (nf4.linear.config.routes_gemm_4bit), and asks the original
     heuristic below it with the caller's arguments; unpatched it always asks the original."""
-    from nf4.integrations import bitsandbytes as integ
     from nf4.linear.config import routes_gemm_4bit
 
-    monkeypatch.setattr(integ, "_device_name", lambda index: device_name)
     calls = []
 
     def original(*args):
         calls.append(args)
         return "original"
 
-    route = route_gemm_4bit_choice(original)
+    route = route_gemm_4bit_choice(original, device_name=lambda index: device_name)
     args = (0, torch.bfloat16, m, 4096, 1024)
     with nf4.patched_bitsandbytes():
         got = route(*args)
