@@ -14,6 +14,12 @@ memory, and from the PTX the global load/store forms with their widths in bytes,
 (L1::evict_*, L1::no_allocate, L2::cache_hint, .cs, .cg, .nc), and counts of fma.rn.f32,
 mul.rn.ftz.f32, prmt.b32, selp, shared-memory accesses and barriers.
 
+Other ops: the inputs are the variant's op's (`experiments.ops.<op>`): an op module may define
+`meta_inputs(out_dtype)` (the variant's positional inputs, its output buffer last, on the meta
+device) and `SM75_WEIGHT` (what they describe); without them, the dequant defaults below. A launcher
+that issues several launches (split-K and its ordered sum) gets one row per launch, numbered in
+`launch`. Builds also count mma.sync and cp.async where present (tl.dot kernels).
+
 Triton's interpreter must be off to compile, so `compile_in_child` runs this module as a child
 process (`python -m experiments.sm75`) without TRITON_INTERPRET.
 """
@@ -46,7 +52,7 @@ def _pointer_type(dtype) -> str:
     import torch
 
     return {torch.uint8: "*u8", torch.int8: "*i8", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-            torch.float32: "*fp32", torch.int16: "*i16", torch.int32: "*i32"}[dtype]
+            torch.float32: "*fp32", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}[dtype]
 
 
 def meta_inputs(out_dtype):
@@ -66,13 +72,28 @@ def meta_inputs(out_dtype):
     return packed, qs, torch.empty(SHAPE, dtype=out_dtype, device=meta)
 
 
+def _op_module(op: str):
+    return importlib.import_module(f"{__package__}.ops.{op}")
+
+
+def op_meta_inputs(op: str, out_dtype) -> tuple:
+    """The op's meta inputs for its variants' launchers (the dequant defaults when it defines none)."""
+    return getattr(_op_module(op), "meta_inputs", meta_inputs)(out_dtype)
+
+
+def op_weight(op: str) -> str:
+    """What the op's meta inputs describe."""
+    return getattr(_op_module(op), "SM75_WEIGHT", f"{SHAPE[0]}x{SHAPE[1]}, blocksize {BLOCKSIZE}, double quant, "
+                                                  "ftz=True")
+
+
 def recorded_launches(variant, out_dtype) -> list:
-    """The (kernel, grid, args, options) the variant's launcher issues for the meta weight."""
+    """The (kernel, grid, args, options) the variant's launcher issues for its op's meta inputs."""
     from . import common
 
-    packed, quant_state, out = meta_inputs(out_dtype)
+    *inputs, out = op_meta_inputs(variant.op, out_dtype)
     with common.recording() as calls:
-        variant.run(packed, quant_state, out, ftz=True)
+        variant.run(*inputs, out, ftz=True)
     return list(calls)
 
 
@@ -172,7 +193,14 @@ def ptx_facts(ptx: str) -> dict:
             "prmt": ptx.count("prmt.b32"), "selp": len(re.findall(r"\bselp\.", ptx)),
             "shared_ld": len(re.findall(r"\bld(?:matrix)?[\w.]*\.shared", ptx)),
             "shared_st": len(re.findall(r"\bst(?:matrix)?[\w.]*\.shared", ptx)),
-            "bar_sync": len(re.findall(r"\bbar\.sync|\bbarrier\.sync", ptx))}
+            "bar_sync": len(re.findall(r"\bbar\.sync|\bbarrier\.sync", ptx)), **_matmul_facts(ptx)}
+
+
+def _matmul_facts(ptx: str) -> dict:
+    """Tensor-core MMAs and cp.async copies, only where present (the dequant kernels have neither, so
+    their rows stay as they were; ldmatrix is already counted in shared_ld)."""
+    found = {"mma": len(re.findall(r"\bmma\.sync", ptx)), "cp_async": len(re.findall(r"\bcp\.async\.(?:ca|cg)", ptx))}
+    return {k: v for k, v in found.items() if v}
 
 
 def _build(task):
@@ -221,26 +249,26 @@ def compile_variants(ids: list[str], dtypes=("float16", "bfloat16"), jobs: int =
     for vid in ids:
         variant = registry.get(vid)
         for dt in dtypes:
-            row = {"variant": vid, "out_dtype": dt, "device": DEVICE_NOTE, "spills_expected": variant.spills_expected}
+            base = {"variant": vid, "out_dtype": dt, "device": DEVICE_NOTE, "spills_expected": variant.spills_expected}
             try:
                 launches = recorded_launches(variant, getattr(torch, dt))
-                if len(launches) != 1:
-                    raise RuntimeError(f"the launcher issued {len(launches)} launches, expected 1")
-                kernel, _, args, options = launches[0]
-                spec = source_spec(kernel, args, options)
+                if not launches:
+                    raise RuntimeError("the launcher issued no launch")
+                specs = [(kernel, source_spec(kernel, args, options)) for kernel, _, args, options in launches]
             except Exception as exc:
-                row["error"] = f"recording: {type(exc).__name__}: {exc}"[:1000]
-                builds.append(row)
+                builds.append(dict(base, error=f"recording: {type(exc).__name__}: {exc}"[:1000]))
                 continue
-            ref = _kernel_ref(kernel)
-            constexprs = sorted((k, repr(v)) for k, v in spec["constexprs"].items())
-            text = repr((ref, sorted(spec["signature"].items()), constexprs, sorted(spec["attrs"].items()),
-                         sorted(spec["options"].items())))
-            key = f"{kernel.__name__}_{dt}_{hashlib.sha1(text.encode()).hexdigest()[:10]}"
-            tasks[key] = (key, ref, spec, ptx_dir)
-            row["build"] = key
-            row["constexprs"] = {k: v for k, v in spec["constexprs"].items()}
-            builds.append(row)
+            for i, (kernel, spec) in enumerate(specs):
+                row = dict(base, launch=i) if len(specs) > 1 else dict(base)
+                ref = _kernel_ref(kernel)
+                constexprs = sorted((k, repr(v)) for k, v in spec["constexprs"].items())
+                text = repr((ref, sorted(spec["signature"].items()), constexprs, sorted(spec["attrs"].items()),
+                             sorted(spec["options"].items())))
+                key = f"{kernel.__name__}_{dt}_{hashlib.sha1(text.encode()).hexdigest()[:10]}"
+                tasks[key] = (key, ref, spec, ptx_dir)
+                row["build"] = key
+                row["constexprs"] = {k: v for k, v in spec["constexprs"].items()}
+                builds.append(row)
     if jobs > 1 and len(tasks) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -254,9 +282,10 @@ def compile_variants(ids: list[str], dtypes=("float16", "bfloat16"), jobs: int =
             row.update(done[row["build"]])
     import triton
 
+    op_names = list(dict.fromkeys(registry.get(vid).op for vid in ids)) or ["dequant"]
+    weight = "; ".join(op_weight(op) if op_names == ["dequant"] else f"{op}: {op_weight(op)}" for op in op_names)
     return {"device": DEVICE_NOTE, "target": "cuda sm_75, warp 32", "triton": triton.__version__,
-            "weight": f"{SHAPE[0]}x{SHAPE[1]}, blocksize {BLOCKSIZE}, double quant, ftz=True",
-            "unique_builds": len(tasks), "builds": builds}
+            "weight": weight, "unique_builds": len(tasks), "builds": builds}
 
 
 def compile_in_child(ids: list[str], *, jobs: int | None = None, ptx_dir: str | None = None,
@@ -295,7 +324,8 @@ def table(result: dict) -> str:
             return ", ".join(f"{re.sub(r'^(ld|st)[.]global[.]?', '', k).split(' (')[0] or 'plain'}"
                              f"{k[k.index(' ('):].replace(' B)', 'B)')}x{v}" for k, v in forms.items())
 
-        lines.append(f"| {b['variant']} | {b['out_dtype'].replace('float', 'fp').replace('bfp', 'bf')} | "
+        name = b["variant"] + (f" #{b['launch']}" if "launch" in b else "")
+        lines.append(f"| {name} | {b['out_dtype'].replace('float', 'fp').replace('bfp', 'bf')} | "
                      f"{b.get('n_regs', '?')} | {b.get('spill_stores', '?')}/{b.get('spill_loads', '?')} | "
                      f"{b.get('stack_bytes', '?')} | {b.get('shared_bytes', 0) + b.get('static_shared_bytes', 0)} | "
                      f"{short(b['global_loads'])} | {short(b['global_stores'])} | {' '.join(b['cache_hints'])} | "

@@ -37,7 +37,7 @@ class Op:
     oracle_name: Callable[[bool], str] = lambda gpu: ""
 
 
-_OPS = ("dequant",)
+_OPS = ("dequant", "linear", "linear_backward")
 
 
 def get(name: str) -> Op:

@@ -1,0 +1,68 @@
+"""What the linear variants share: the product's launches for one LinearConfig, written into the runner's buffer.
+
+`launch(x, packed, quant_state, out, config, ftz=..., trans=...)` issues exactly the launches
+`nf4.linear.api.run` issues for that config (`api.kernel_args`, through `nf4.runtime.launch`: the
+compiled kernel cached per specialisation, contraction on as in the product), but into `out`
+rather than a fresh tensor, so that the runner's NaN-poisoned buffer proves every element was
+written. What it skips is api.run's bound plan (the cheap repeat call): device time is the
+product's, host time is not (no linear variant is marked host_timing). config=None is the tuned
+table's choice for this GPU and M, as api.run resolves it; path "dequant" is nf4.dequantize into a
+scratch weight, then cuBLAS (`torch.matmul(x, W^T, out=out)`, what F.linear runs without a bias).
+
+On meta tensors (recording for the offline sm_75 compile) the launches are built as on a GPU
+(ASM on, DOT_F32 off, the table's GPU rows) for a T4: the auto split-K of the GEMV is resolved
+with the T4's 40 multiprocessors, the way nf4.linear.api.split_k resolves it on a device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+import nf4
+from nf4 import runtime
+from nf4.linear import api as linear_api
+from nf4.linear import config as linear_config
+from nf4.linear.config import LinearConfig
+
+SM75_DEVICE = "Tesla T4"  # the device name the tuned table is read for on meta tensors (no rows: the default's)
+T4_SMS = 40
+
+
+def launch(x: torch.Tensor, packed, quant_state, out: torch.Tensor, config: LinearConfig | None, *, ftz: bool,
+           trans: bool = False, max_rows: int | None = None) -> torch.Tensor:
+    """out = x @ W^T (trans: x @ W) by the launches of `config` (None: the tuned table's); returns out.
+
+    max_rows: launch for slices of at most this many rows of x (the GEMV family, see l01_gemv.py)."""
+    if max_rows is not None and x.shape[0] > max_rows:
+        for i in range(0, x.shape[0], max_rows):
+            launch(x[i:i + max_rows], packed, quant_state, out[i:i + max_rows], config, ftz=ftz, trans=trans)
+        return out
+    w = linear_api.weight_state(packed, quant_state)  # the validated state kernel_args takes
+    m = x.shape[0]
+    meta = x.is_meta
+    interpreting = runtime.interpreting(x.device) and not meta
+    if config is None:  # the rows api.run reads: the GPU's name, "" for the interpreter
+        name = SM75_DEVICE if meta else "" if interpreting else torch.cuda.get_device_name(x.device)
+        config = linear_config.tuned(name, m, trans)
+    if config.path == "dequant":
+        wt = nf4.dequantize(packed, quant_state, ftz=ftz).to(x.dtype)
+        return torch.matmul(x, wt if trans else wt.t(), out=out)
+    if meta and config.path == "gemv" and not trans and config.split_k == 0:
+        want = config.programs_per_sm * T4_SMS
+        config = config.with_(split_k=triton.cdiv(want, triton.cdiv(w.N, config.block_r)))
+    split, _ = linear_api.split_k(config, w, m, trans, x.device)
+    part = torch.empty(split * m * out.shape[1], dtype=torch.float32, device=x.device) if split > 1 else None
+    for fn, grid, args, options in linear_api.kernel_args(x, packed, w, None, out, m, trans, config, ftz,
+                                                          interpreting, part):
+        runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
+    return out
+
+
+def launcher(config: LinearConfig | None, trans: bool = False, max_rows: int | None = None):
+    """run(x, packed, quant_state, out, *, ftz) for one config (a registry launcher)."""
+
+    def run(x, packed, quant_state, out, *, ftz):
+        return launch(x, packed, quant_state, out, config, ftz=ftz, trans=trans, max_rows=max_rows)
+
+    return run
