@@ -223,8 +223,15 @@ def route_dequant_linear_fallback(original):
     return _dequant_linear_fallback
 
 
+_device_names: dict = {}
+
+
 def _device_name(device_index) -> str:
-    return torch.cuda.get_device_name(device_index)
+    """The GPU's name, cached: the heuristic is asked on every gemm_4bit call (decode: every token)."""
+    name = _device_names.get(device_index)
+    if name is None:
+        name = _device_names[device_index] = torch.cuda.get_device_name(device_index)
+    return name
 
 
 def route_gemm_4bit_choice(original, device_name=None):

@@ -44,7 +44,6 @@ class _Weight:
         "absmax",
         "absmax2",
         "blocksize",
-        "code",
         "code2",
         "device",
         "dtype",
@@ -58,6 +57,7 @@ class _Weight:
         "qs_shape",
         "state2",
         "state2_absmax",
+        "view",
     )
 
     def matches(self, qs, packed) -> bool:
@@ -349,6 +349,16 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
     bias. config: a `nf4.LinearConfig` (default: the tuned table's choice for this GPU and M).
     ftz: as in `nf4.dequantize` (default on for CUDA, off on CPU). Inputs are never modified.
     """
+    # The repeat call: a validated weight, x of a fused dtype, no autograd, not compiling.
+    if quant_state is not None and config is None and ftz is None:
+        w = _weights.get(id(quant_state))
+        if (w is not None and type(x) is torch.Tensor and x.dtype in _X_DTYPES and w.fused and x.is_cuda
+                and x.get_device() == w.device.index and x.shape[-1] == w.K and w.matches(quant_state, weight)
+                and (bias is None or (type(bias) is torch.Tensor and bias.dtype is x.dtype and bias.dim() == 1
+                                      and bias.shape[0] == w.N and bias.get_device() == w.device.index))
+                and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+                and not torch.compiler.is_compiling()):
+            return run(x, weight, w, bias)
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
         bias = getattr(weight, "bias", None)  # a Linear4bit brings its bias
     packed, qs = _unpack_module(weight, quant_state)

@@ -102,10 +102,15 @@ INTERPRETER: dict[str, Rows] = {"forward": ((4, GEMV), (None, GEMM)), "backward"
 ROUTE_GEMM_4BIT_MIN_M: dict[str, int] = {"H100": 128}
 
 
+_route_limits: dict[str, int] = {}
+
+
 def routes_gemm_4bit(device_name: str, m: int) -> bool:
     """Whether a patched bitsandbytes should send a gemm_4bit of m rows to nf4 on this GPU."""
-    limit = next((v for gpu, v in ROUTE_GEMM_4BIT_MIN_M.items() if gpu in device_name),
-                 ROUTE_GEMM_4BIT_MIN_M[DEFAULT_GPU])
+    limit = _route_limits.get(device_name)
+    if limit is None:
+        limit = _route_limits[device_name] = next(
+            (v for gpu, v in ROUTE_GEMM_4BIT_MIN_M.items() if gpu in device_name), ROUTE_GEMM_4BIT_MIN_M[DEFAULT_GPU])
     return m >= limit
 
 
