@@ -247,10 +247,10 @@ def route_gemm_4bit_choice(original, device_name=None):
     if replacement is not None:
         return replacement
 
+    from ..linear.config import routes_gemm_4bit
+
     @functools.wraps(original)
     def _gemm_4bit_use_custom_fn(device_index, dtype, M, N, K):
-        from ..linear.config import routes_gemm_4bit
-
         if _patches and dtype in (torch.float16, torch.bfloat16) and routes_gemm_4bit(name_of(device_index), M):
             _count("_gemm_4bit_use_custom_fn", "nf4")
             return False

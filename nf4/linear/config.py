@@ -73,10 +73,11 @@ class LinearConfig:
         return replace(self, **changes)
 
 
-# Measured on an H100 (results/linear/bench_h100.json, its sweep rows; bf16, 14336x4096, 4096x14336, 4096x4096): the
-# split-K GEMV up to 4 rows of x, the swapped tl.dot tile (the decoded W tile as the first operand) up
-# to 32, and above that nf4.dequantize + cuBLAS, which every fused tile tried was slower than (at
-# M = 64 by 4 % on 14336x4096, at M = 1024 by 2.9x). The backward's fused tiles were 2-5x slower than
+# Measured on an H100 (results/linear/bench_h100.json, and the tuning sweeps of the session that
+# wrote this table; bf16, 14336x4096, 4096x14336, 4096x4096): the split-K GEMV up to 4 rows of x,
+# nf4.dequantize + cuBLAS above. The swapped tl.dot tile (GEMM_SMALL) beat nf4.dequantize + cuBLAS
+# only on the tall 14336x4096 weight at M = 8-16 and lost by 2.8-3x on the other two, so the table
+# (keyed by M alone) does not take it. The backward's fused tiles were 2-5x slower than
 # nf4.dequantize + cuBLAS at every M measured (16-4096), so the table takes the latter; the fused
 # backward stays available as LinearConfig(path="gemm") and is tested operand-exact.
 GEMV = LinearConfig(path="gemv", block_r=32, num_warps=2, codebook=0, programs_per_sm=16)
@@ -88,7 +89,7 @@ DEQUANT = LinearConfig(path="dequant")
 Rows = tuple[tuple[int | None, LinearConfig], ...]
 TUNED: dict[str, dict[str, Rows]] = {
     "H100": {
-        "forward": ((4, GEMV), (32, GEMM_SMALL), (None, DEQUANT)),
+        "forward": ((4, GEMV), (None, DEQUANT)),
         "backward": ((None, DEQUANT),),
     },
 }
