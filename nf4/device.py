@@ -201,3 +201,14 @@ def operand(y, W_DT: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
     if W_DT != X_DT:
         w = round_to(w.to(tl.float32), X_DT, BF16_BITS)
     return w
+
+
+@triton.jit
+def widen(v, BF16_BITS: tl.constexpr):
+    """A float16/bfloat16/float32 tensor as float32, exactly. With BF16_BITS a bfloat16 is widened with
+    integer ops (Triton 3.9's interpreter converts bfloat16 subnormals to float32 wrongly)."""
+    if BF16_BITS and v.dtype == tl.bfloat16:
+        r = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        r = v.to(tl.float32)
+    return r

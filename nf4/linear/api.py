@@ -51,19 +51,22 @@ class _Weight:
         "launches",
         "nested",
         "offset",
+        "offset_ref",
         "packed_dtype",
         "packed_numel",
         "qs_absmax",
         "qs_shape",
         "state2",
         "state2_absmax",
+        "state2_code",
         "view",
     )
 
     def matches(self, qs, packed) -> bool:
         return (qs.absmax is self.qs_absmax and qs.shape is self.qs_shape and qs.dtype is self.dtype
-                and getattr(qs, "state2", None) is self.state2
-                and (self.state2 is None or self.state2.absmax is self.state2_absmax)
+                and getattr(qs, "state2", None) is self.state2 and getattr(qs, "offset", None) is self.offset_ref
+                and (self.state2 is None or (self.state2.absmax is self.state2_absmax
+                                             and self.state2.code is self.state2_code))
                 and packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
                 and packed.device == self.device)
 
@@ -94,6 +97,8 @@ def weight_state(packed: torch.Tensor, qs) -> _Weight:
     w.qs_absmax, w.qs_shape = qs.absmax, qs.shape
     w.state2 = getattr(qs, "state2", None)
     w.state2_absmax = w.state2.absmax if w.state2 is not None else None
+    w.state2_code = w.state2.code if w.state2 is not None else None
+    w.offset_ref = getattr(qs, "offset", None)
     w.packed_dtype, w.packed_numel = packed.dtype, packed.numel()
     # the kernels need whole absmax blocks per row (bitsandbytes' own condition for its fused path)
     w.fused = n > 0 and w.K % blocksize == 0
@@ -317,8 +322,8 @@ class _LinearFn(torch.autograd.Function):
     def backward(ctx, grad):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            g = grad if grad.dtype in _X_DTYPES else grad.to(torch.bfloat16)
-            if ctx.w.fused:
+            g = grad
+            if ctx.w.fused and g.dtype in _X_DTYPES:
                 grad_x = run(g, ctx.packed, ctx.w, None, trans=True, config=None, ftz=ctx.ftz)
             else:
                 wt = _dequantize(ctx.packed, _qs_of(ctx.w, ctx.packed), ftz=ctx.ftz)

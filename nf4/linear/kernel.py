@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nf4.device import absmax_of_block, high_nibble, low_nibble, mul, nf4_level, operand, round_to
+from nf4.device import absmax_of_block, high_nibble, low_nibble, mul, nf4_level, operand, round_to, widen
 
 
 @triton.jit
@@ -157,15 +157,15 @@ def nf4_gemv_kernel(
             pair = tl.load(xw_ptr + m[:, None] * KB + j[None, :], mask=m_ok[:, None], other=0)
             x_even, x_odd = _split_pairs(pair, X_DT)
             # products of 16-bit floats are exact in float32: fma(w, x, acc) == acc + w * x
-            acc = tl.fma(w_even.to(tl.float32)[None], x_even[:, None, :], acc)
-            acc = tl.fma(w_odd.to(tl.float32)[None], x_odd[:, None, :], acc)
+            acc = tl.fma(widen(w_even, BF16_BITS)[None], x_even[:, None, :], acc)
+            acc = tl.fma(widen(w_odd, BF16_BITS)[None], x_odd[:, None, :], acc)
         y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
         ok = m_ok[:, None] & row_ok[None, :]
         if PARTIAL:  # float32 partials [SPLIT, M, N], summed in order by nf4_split_sum_kernel
             tl.store(out_ptr + (pid_k * M + m[:, None]) * N + rows[None, :], y, mask=ok)
         else:
             if HAS_BIAS:
-                y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+                y = y + widen(tl.load(bias_ptr + rows, mask=row_ok, other=0.0), BF16_BITS)[None, :]
             tl.store(out_ptr + m[:, None] * N + rows[None, :], round_to(y, X_DT, BF16_BITS), mask=ok)
     else:
         # this program's HALF bytes of every row: dX columns 2j and 2j + 1
@@ -179,9 +179,9 @@ def nf4_gemv_kernel(
             w_even, w_odd = _decode(byte, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rows, row_ok,
                                     c0, KB, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, W_DT, X_DT, BF16_BITS)
             dy = tl.load(x_ptr + m[:, None] * N + rows[None, :], mask=m_ok[:, None] & row_ok[None, :], other=0.0)
-            dy = dy.to(tl.float32)[:, :, None]
-            acc_even = tl.fma(w_even.to(tl.float32)[None], dy, acc_even)
-            acc_odd = tl.fma(w_odd.to(tl.float32)[None], dy, acc_odd)
+            dy = widen(dy, BF16_BITS)[:, :, None]
+            acc_even = tl.fma(widen(w_even, BF16_BITS)[None], dy, acc_even)
+            acc_odd = tl.fma(widen(w_odd, BF16_BITS)[None], dy, acc_odd)
         y_even = tl.sum(acc_even, axis=1)  # [BLOCK_M, HALF]
         y_odd = tl.sum(acc_odd, axis=1)
         # one 32-bit store per column pair: column 2j in the low half
@@ -201,14 +201,14 @@ def nf4_split_sum_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr
     for s in tl.static_range(1, SPLIT):
         y += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
     if HAS_BIAS:
-        y = y + tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+        y = y + widen(tl.load(bias_ptr + i % N, mask=ok, other=0.0), BF16_BITS)
     tl.store(out_ptr + i, round_to(y, X_DT, BF16_BITS), mask=ok)
 
 
 @triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     if DOT_F32:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(widen(a, True), widen(b, True), acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
     return acc
@@ -276,7 +276,7 @@ def nf4_gemm_kernel(
         if SWAP:
             acc = tl.trans(acc)
         if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+            acc = acc + widen(tl.load(bias_ptr + rows, mask=row_ok, other=0.0), BF16_BITS)[None, :]
         out = round_to(acc, X_DT, BF16_BITS)
         tl.store(out_ptr + m[:, None] * N + rows[None, :], out, mask=m_ok[:, None] & row_ok[None, :])
     else:

@@ -1,0 +1,131 @@
+"""Helpers of the `nf4.linear` tests, reached through the `lin` fixture (beside the root's `nf4h`).
+
+The operand check (docs/FORMAT.md §9): x made of rows of the identity, signed and scaled by powers
+of two, picks single weights, so each output is `scale * w + 0.0` exactly; the expected value is
+computed in float32 like the kernels' sum (the product of a 16-bit weight and a power of two is
+rounded once there, only among float32 subnormals) and rounded once to x's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+import nf4
+from nf4.linear import LinearConfig
+
+# Configs the interpreter tests run: small tiles so that N and K are several tiles and not multiples
+# of them; every codebook (0 gather, 1 select tree, 2 pair table) appears.
+FORWARD = {
+    "gemv": LinearConfig(path="gemv"),
+    "gemv-s1": LinearConfig(path="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0),
+    "gemv-s2": LinearConfig(path="gemv", split_k=2, block_r=8, step_bytes=32, codebook=1),
+    "gemv-s3": LinearConfig(path="gemv", split_k=3, step_bytes=16),
+    "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=1),
+    "gemm-swap": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=128, swap=True, codebook=0),
+    "tuned": None,  # the interpreter's rows: GEMV for M <= 4, the tl.dot kernel above
+}
+BACKWARD = {
+    "gemv": LinearConfig(path="gemv"),
+    "gemv-small": LinearConfig(path="gemv", block_r=8, step_bytes=16, codebook=1),
+    "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=0),
+    "gemm-wide": LinearConfig(path="gemm", block_m=32, block_n=16, block_k=128, swap=True),  # swap: forward only
+    "tuned": None,
+}
+
+
+class LinearTestHelpers:
+    """Helpers of the nf4.linear tests (a class, so its names cannot clash with other helpers)."""
+
+    DT_NAME: ClassVar[dict] = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    DT_SHORT: ClassVar[dict] = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    FORWARD = FORWARD
+    BACKWARD = BACKWARD
+
+    @staticmethod
+    def operand(packed, qs, dtype: torch.dtype, *, ftz: bool | None = None) -> torch.Tensor:
+        """The operand the fused linear must multiply by: `nf4.dequantize(W).to(dtype)`."""
+        return nf4.dequantize(packed, qs, ftz=ftz).to(dtype)
+
+    @staticmethod
+    def identity_rows(cols, dtype: torch.dtype, width: int, seed: int, *, signed: bool = True, device="cpu"):
+        """(x, scales): x[i] = scales[i] * e_{cols[i]} of `width` columns in `dtype`; scales are
+        +-2**e (e in -2..2) when `signed`, else 1, with row 0 always plain 1.0."""
+        cols = torch.as_tensor(cols, dtype=torch.int64)
+        g = torch.Generator().manual_seed(seed)
+        m = cols.numel()
+        scales = torch.ones(m, dtype=torch.float32)
+        if signed:
+            sign = torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0)
+            scales = sign * torch.exp2(torch.randint(-2, 3, (m,), generator=g).float())
+            if m:
+                scales[0] = 1.0
+        x = torch.zeros(m, width, dtype=dtype)
+        x[torch.arange(m), cols] = scales.to(dtype)
+        return x.to(device), scales.to(device)
+
+    @staticmethod
+    def picked(wmat: torch.Tensor, cols, scales, dtype: torch.dtype) -> torch.Tensor:
+        """The exact result of identity rows against `wmat` ([rows picked, ...]): scale * wmat[col] + 0.0,
+        in float32 like the kernels, rounded once to `dtype` (the + 0.0: +0 + -0 is +0)."""
+        cols = torch.as_tensor(cols, dtype=torch.int64, device=wmat.device)
+        return (scales[:, None].float() * wmat.float()[cols] + 0.0).to(dtype)
+
+    @staticmethod
+    def columns(n: int, count: int, seed: int) -> torch.Tensor:
+        """`count` random columns of n (with repeats), from a seeded generator."""
+        return torch.randint(0, n, (count,), generator=torch.Generator().manual_seed(seed))
+
+    @staticmethod
+    def permutation(n: int, seed: int) -> torch.Tensor:
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+    @staticmethod
+    def randn(shape, dtype: torch.dtype, seed: int, *, scale: float = 1.0, device="cpu") -> torch.Tensor:
+        """Normal values spread over a few octaves, rounded to dtype."""
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-3, 4, shape, generator=g).float()) * scale
+        return x.to(dtype).to(device)
+
+    @classmethod
+    def cancelling(cls, wd: torch.Tensor, m: int, dtype: torch.dtype, seed: int):
+        """(x, bias) whose outputs are small rests of large float32 sums: x is small except column a,
+        L (a power of two) in every row, and bias = -L * W[:, a] exactly in x's dtype, so the exact
+        output is the small terms' sum while the float32 accumulator held L * W[n, a] (its rounding
+        is what shows: the order of the sum, and the accumulation term of the bound, matter there)."""
+        g = torch.Generator().manual_seed(seed)
+        k = wd.shape[1]
+        a = int(torch.randint(0, k, (1,), generator=g))
+        top = wd[:, a].float().abs().max().item() or 1.0
+        if dtype == torch.bfloat16:
+            big, small = 2.0**20, 1.0
+        else:  # float16: L * W must stay finite
+            big, small = min(2.0**8, 2.0 ** np.floor(np.log2(30000.0 / top))), 2.0**-8
+        x = cls.randn((m, k), torch.float32, seed, scale=small).to(dtype)
+        x[:, a] = big
+        bias = (-big * wd[:, a].float()).to(dtype)
+        assert torch.equal(bias.float(), -big * wd[:, a].float()), "bias must cancel L * W[:, a] exactly"
+        return x, bias
+
+    @classmethod
+    def np64(cls, t: torch.Tensor) -> np.ndarray:
+        """A tensor's values as a float64 NumPy array (exact for every float dtype)."""
+        return t.detach().to("cpu", torch.float64).numpy()
+
+    @classmethod
+    def np32(cls, t: torch.Tensor) -> np.ndarray:
+        return t.detach().to("cpu", torch.float32).numpy()
+
+    @staticmethod
+    def bits16(t: torch.Tensor) -> np.ndarray:
+        """A 16-bit tensor's bit patterns as uint16."""
+        return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.fixture
+def lin():
+    """The nf4.linear tests' helpers (LinearTestHelpers)."""
+    return LinearTestHelpers

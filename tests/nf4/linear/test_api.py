@@ -1,0 +1,347 @@
+"""The contract of `nf4.linear` around its kernels (CPU tensors, Triton's interpreter).
+
+Autograd in x and bias (x.grad checked operand-exact through identity rows of dY, bias.grad the exact
+sum of dY over the leading dimensions), leading dimensions, every call form (Linear4bit, Params4bit,
+packed + QuantState), the fallbacks (float32 x, a K that is not a multiple of the blocksize) equal to
+`F.linear(x, nf4.dequantize(W).to(x.dtype), bias)` bit for bit, strided and misaligned x, inputs
+never modified, empty x, a QuantState changed between calls, and `nf4.linear` staying the function
+after its package's modules are imported.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton.runtime.interpreter import InterpretedFunction
+
+import nf4
+from nf4.linear import LinearConfig
+from nf4.linear.kernel import nf4_gemv_kernel
+from verify.exact import assert_bitexact
+
+pytestmark = pytest.mark.skipif(
+    not isinstance(nf4_gemv_kernel, InterpretedFunction),
+    reason="needs Triton's interpreter: TRITON_INTERPRET=1 before triton is imported (conftest sets it without CUDA)",
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+N, K = 45, 128
+CONFIGS = {"tuned": None, "gemv": LinearConfig(path="gemv", split_k=2, step_bytes=16),
+           "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, swap=True)}
+
+
+@pytest.fixture
+def case(nf4h):
+    """A fresh double-quantized bfloat16 weight (N, K), blocksize 64: nothing is shared between tests."""
+    return nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("linear-api"))
+
+
+# --- autograd ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_autograd_x_and_bias(lin, case, config_name):
+    packed, qs = case
+    wd = lin.operand(packed, qs, torch.bfloat16)
+    x = lin.randn((2, 3, K), torch.bfloat16, 1).requires_grad_()
+    bias = lin.randn((N,), torch.bfloat16, 2).requires_grad_()
+    y = nf4.linear(x, packed, qs, bias=bias, config=CONFIGS[config_name])
+    assert y.requires_grad and tuple(y.shape) == (2, 3, N) and y.dtype == torch.bfloat16
+    # identity rows of dY (signed, scaled) pick rows of W: x.grad is operand-exact
+    rows = lin.columns(N, 6, 3)
+    dy, scales = lin.identity_rows(rows, torch.bfloat16, N, 4)
+    y.backward(dy.reshape(2, 3, N))
+    assert x.grad is not None and bias.grad is not None
+    assert x.grad.dtype == torch.bfloat16 and tuple(x.grad.shape) == (2, 3, K)
+    assert_bitexact(x.grad.reshape(6, K), lin.picked(wd, rows, scales, torch.bfloat16), name="x.grad")
+    assert_bitexact(bias.grad, dy.sum(0), name="bias.grad")
+    # random dY: bias.grad is dY summed over every leading dimension, in dY's dtype, exactly
+    x.grad = bias.grad = None
+    y = nf4.linear(x, packed, qs, bias=bias, config=CONFIGS[config_name])
+    dy = lin.randn((2, 3, N), torch.bfloat16, 5)
+    y.backward(dy)
+    assert_bitexact(bias.grad, dy.reshape(-1, N).sum(0), name="bias.grad, random dY")
+    assert bias.grad.dtype == torch.bfloat16
+
+
+def test_autograd_one_input_at_a_time(lin, case):
+    packed, qs = case
+    x = lin.randn((3, K), torch.float16, 1)
+    bias = lin.randn((N,), torch.float16, 2).requires_grad_()
+    nf4.linear(x, packed, qs, bias=bias).sum().backward()  # sum(): an expanded, stride-0 dY
+    assert x.grad is None
+    assert_bitexact(bias.grad, torch.full((N,), 3.0, dtype=torch.float16), name="bias.grad of a sum")
+    x.requires_grad_()
+    y = nf4.linear(x, packed, qs, bias=bias.detach())
+    y.sum().backward()
+    want = torch.ones(3, N, dtype=torch.float16) @ lin.operand(packed, qs, torch.float16)
+    assert x.grad is not None and tuple(x.grad.shape) == (3, K)
+    # every output is a float32 sum of N products; compare to the same grad made explicit
+    x2 = x.detach().clone().requires_grad_()
+    nf4.linear(x2, packed, qs).backward(torch.ones(3, N, dtype=torch.float16))
+    assert_bitexact(x.grad, x2.grad, name="x.grad of a sum vs explicit ones")
+    assert torch.allclose(x.grad.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_no_graph_without_grad(lin, case):
+    packed, qs = case
+    x = lin.randn((3, K), torch.bfloat16, 1).requires_grad_()
+    with torch.no_grad():
+        y = nf4.linear(x, packed, qs)
+    assert not y.requires_grad and y.grad_fn is None
+
+
+# --- shapes and layouts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_leading_dimensions(lin, case, config_name):
+    packed, qs = case
+    config = CONFIGS[config_name]
+    wd = lin.operand(packed, qs, torch.bfloat16)
+    cols = lin.columns(K, 6, 11)
+    x, scales = lin.identity_rows(cols, torch.bfloat16, K, 12)
+    y = nf4.linear(x.reshape(2, 3, K), packed, qs, config=config)
+    assert tuple(y.shape) == (2, 3, N)
+    assert_bitexact(y.reshape(6, N), lin.picked(wd.t(), cols, scales, torch.bfloat16), name="(2, 3, K)")
+    xr = lin.randn((2, 3, K), torch.bfloat16, 13)
+    flat = nf4.linear(xr.reshape(6, K), packed, qs, config=config)
+    assert_bitexact(nf4.linear(xr, packed, qs, config=config), flat.reshape(2, 3, N), name="(2, 3, K) vs (6, K)")
+    assert_bitexact(nf4.linear(xr.reshape(1, 2, 1, 3, K), packed, qs, config=config), flat.reshape(1, 2, 1, 3, N))
+    assert_bitexact(nf4.linear(xr[0, 0], packed, qs, config=config), flat[0], name="1-D x")
+
+
+def test_strided_and_misaligned_x(lin, case):
+    """A transposed view, a column slice, and x one element into its storage (not 4-byte aligned)."""
+    packed, qs = case
+    xr = lin.randn((5, K), torch.float16, 21)
+    want = nf4.linear(xr, packed, qs)
+    assert_bitexact(nf4.linear(xr.t().contiguous().t(), packed, qs), want, name="transposed view")
+    wide = torch.cat([xr, xr], dim=1)
+    assert_bitexact(nf4.linear(wide[:, K:], packed, qs), want, name="column slice")
+    buf = torch.empty(5 * K + 1, dtype=torch.float16)
+    shifted = buf[1:].view(5, K)
+    shifted.copy_(xr)
+    assert shifted.data_ptr() % 4
+    assert_bitexact(nf4.linear(shifted, packed, qs), want, name="misaligned x")
+    bias = lin.randn((2 * N,), torch.float16, 22)[::2]
+    assert not bias.is_contiguous()
+    assert_bitexact(nf4.linear(xr, packed, qs, bias=bias), nf4.linear(xr, packed, qs, bias=bias.contiguous()),
+                    name="strided bias")
+
+
+@pytest.mark.parametrize("shape", [(0, K), (2, 0, K)], ids=["0xK", "2x0xK"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_empty_x(case, shape, dtype):
+    packed, qs = case
+    x = torch.empty(shape, dtype=dtype, requires_grad=True)
+    bias = torch.zeros(N, dtype=dtype, requires_grad=True)
+    y = nf4.linear(x, packed, qs, bias=bias)
+    assert tuple(y.shape) == (*shape[:-1], N) and y.dtype == dtype
+    y.sum().backward()
+    assert tuple(x.grad.shape) == shape
+    assert_bitexact(bias.grad, torch.zeros(N, dtype=dtype))
+    with torch.no_grad():
+        assert tuple(nf4.linear(x, packed, qs).shape) == (*shape[:-1], N)
+
+
+# --- call forms -----------------------------------------------------------------------------------
+
+
+def _linear4bit(nf4h, in_features, out_features, seed, *, bias_dtype, quant_storage=torch.uint8, blocksize=64):
+    """A bitsandbytes Linear4bit quantized on the CPU (as tests/nf4/dequant do), bias in bias_dtype."""
+    bnb = pytest.importorskip("bitsandbytes")
+    try:
+        layer = bnb.nn.Linear4bit(in_features, out_features, bias=True, compress_statistics=True, quant_type="nf4",
+                                  quant_storage=quant_storage)
+        data = nf4h.make_weight((out_features, in_features), torch.float32, seed)
+        layer.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_type="nf4", compress_statistics=True,
+                                         quant_storage=quant_storage, blocksize=blocksize)._quantize("cpu")
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:  # a build without CPU quantization
+        pytest.skip(f"bitsandbytes cannot build a Linear4bit on the CPU here: {exc}")
+    layer.bias = torch.nn.Parameter(torch.randn(out_features, generator=torch.Generator().manual_seed(seed))
+                                    .to(bias_dtype))
+    assert layer.weight.bnb_quantized and layer.weight.dtype == quant_storage
+    return layer
+
+
+@pytest.mark.parametrize("quant_storage", [torch.uint8, torch.bfloat16], ids=str)
+def test_linear4bit_and_params4bit(nf4h, lin, quant_storage):
+    layer = _linear4bit(nf4h, K, N, nf4h.case_seed("l4b", quant_storage), bias_dtype=torch.bfloat16,
+                        quant_storage=quant_storage)
+    w, qs = layer.weight, layer.weight.quant_state
+    wd = lin.operand(w.data, qs, torch.bfloat16)
+    cols = lin.columns(K, 3, 31)
+    x, scales = lin.identity_rows(cols, torch.bfloat16, K, 32)
+    # the module brings its bias: scale * w + bias, one float32 addition, rounded once
+    want = (lin.picked(wd.t(), cols, scales, torch.float32) + layer.bias.detach().float()).to(torch.bfloat16)
+    assert_bitexact(nf4.linear(x, layer), want, name="Linear4bit (its bias)")
+    assert_bitexact(nf4.linear(x, w, bias=layer.bias), want, name="Params4bit + bias")
+    assert_bitexact(nf4.linear(x, w.data, qs, bias=layer.bias), want, name="packed + QuantState + bias")
+    assert_bitexact(nf4.linear(x, w), lin.picked(wd.t(), cols, scales, torch.bfloat16), name="Params4bit, no bias")
+    assert_bitexact(nf4.linear(x, layer, bias=layer.bias * 0), lin.picked(wd.t(), cols, scales, torch.bfloat16),
+                    name="Linear4bit with an explicit bias")
+    # autograd through the module form: x.grad and the module's bias.grad
+    xr = lin.randn((4, K), torch.bfloat16, 33).requires_grad_()
+    nf4.linear(xr, layer).backward(lin.randn((4, N), torch.bfloat16, 34))
+    assert xr.grad is not None and layer.bias.grad is not None
+
+
+# --- fallbacks ------------------------------------------------------------------------------------
+
+
+def _fallback_cases(nf4h):
+    """(name, packed, qs, x dtype): float32 x on a fused weight, and weights whose K is not a multiple of
+    the blocksize (blocks straddle rows; an odd K; a K smaller than one block)."""
+    fused = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("fb-fused"))
+    return [
+        ("fp32-x", *fused, torch.float32),
+        ("K=100-bs64", *nf4h.quantize((7, 100), torch.float16, 64, True, seed=nf4h.case_seed("fb-100")), torch.float16),
+        ("K=99-bs32", *nf4h.quantize((5, 99), torch.bfloat16, 32, False, seed=nf4h.case_seed("fb-99")), torch.bfloat16),
+        ("K=40-bs64", *nf4h.quantize((3, 40), torch.float32, 64, True, seed=nf4h.case_seed("fb-40")), torch.bfloat16),
+    ]
+
+
+def test_fallbacks_equal_f_linear(nf4h, lin):
+    for name, packed, qs, dtype in _fallback_cases(nf4h):
+        k = qs.shape[1]
+        wd = nf4.dequantize(packed, qs).to(dtype)
+        x = lin.randn((2, 3, k), dtype, 41)
+        bias = lin.randn((qs.shape[0],), dtype, 42)
+        assert_bitexact(nf4.linear(x, packed, qs, bias=bias), F.linear(x, wd, bias), name=f"{name} with bias")
+        assert_bitexact(nf4.linear(x, packed, qs), F.linear(x, wd), name=f"{name} without bias")
+
+
+def test_fallback_backward_16_bit(nf4h, lin):
+    """A weight the kernels cannot take (K % blocksize != 0): x.grad = dY @ nf4.dequantize(W).to(x.dtype)."""
+    for name, packed, qs, dtype in _fallback_cases(nf4h)[1:]:
+        n, k = qs.shape
+        x = lin.randn((3, k), dtype, 43).requires_grad_()
+        dy = lin.randn((3, n), dtype, 44)
+        nf4.linear(x, packed, qs).backward(dy)
+        assert_bitexact(x.grad, dy @ nf4.dequantize(packed, qs).to(dtype), name=name)
+
+
+def test_fallback_backward_float32(nf4h, lin):
+    """float32 x (forward: F.linear in float32): x.grad = dY @ nf4.dequantize(W).float(), float32 throughout."""
+    _, packed, qs, _ = _fallback_cases(nf4h)[0]
+    x = lin.randn((3, K), torch.float32, 45).requires_grad_()
+    dy = lin.randn((3, N), torch.float32, 46)
+    nf4.linear(x, packed, qs).backward(dy)
+    assert x.grad.dtype == torch.float32
+    assert_bitexact(x.grad, dy @ nf4.dequantize(packed, qs).float(), name="float32 x.grad")
+
+
+# --- inputs never modified ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_inputs_unchanged(nf4h, lin, double_quant, config_name):
+    packed, qs = nf4h.quantize((N, K), torch.float16, 64, double_quant, quant_storage=torch.bfloat16,
+                               seed=nf4h.case_seed("unchanged", double_quant, config_name))
+    before = nf4h.snapshot(packed, qs)
+    x = lin.randn((3, K), torch.float16, 51).requires_grad_()
+    bias = lin.randn((N,), torch.float16, 52).requires_grad_()
+    dy = lin.randn((3, N), torch.float16, 53)
+    x0, bias0, dy0 = x.detach().clone(), bias.detach().clone(), dy.clone()
+    nf4.linear(x, packed, qs, bias=bias, config=CONFIGS[config_name]).backward(dy)
+    with torch.no_grad():
+        nf4.linear(x.float(), packed, qs, bias=bias.float())  # the float32 fallback too
+    nf4h.assert_unchanged(before, packed, qs)
+    assert_bitexact(x.detach(), x0, name="x after the call")
+    assert_bitexact(bias.detach(), bias0, name="bias after the call")
+    assert_bitexact(dy, dy0, name="dY after the backward")
+
+
+# --- a QuantState changed between calls -----------------------------------------------------------
+
+
+
+@pytest.mark.parametrize("change", [
+    "absmax",
+    "state2.absmax",
+    "dtype",
+    "offset",
+    "state2.code",
+])
+def test_quant_state_replaced_between_calls(nf4h, lin, change):
+    """After a call, one of the QuantState's attributes is replaced by another tensor (or dtype): the
+    next call decodes what the state holds now, like nf4.dequantize."""
+    packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("stale", change))
+    cols = lin.permutation(K, 61)
+    x, scales = lin.identity_rows(cols, torch.bfloat16, K, 62)
+    nf4.linear(x, packed, qs)
+    nf4.linear(x, packed, qs)  # a second call: whatever is remembered for this state is in place
+    if change == "absmax":
+        qs.absmax = torch.roll(qs.absmax, 1).contiguous()
+    elif change == "state2.absmax":
+        qs.state2.absmax = qs.state2.absmax * 2
+    elif change == "dtype":
+        qs.dtype = torch.float16
+    elif change == "offset":
+        qs.offset = qs.offset + 0.5
+    else:
+        qs.state2.code = qs.state2.code.flip(0).contiguous()
+    wd = lin.operand(packed, qs, torch.bfloat16)
+    assert_bitexact(nf4.linear(x, packed, qs), lin.picked(wd.t(), cols, scales, torch.bfloat16),
+                    name=f"after replacing {change}")
+
+
+def test_bytes_changed_in_place_are_read(nf4h, lin, case):
+    packed, qs = case
+    cols = lin.permutation(K, 63)
+    x, scales = lin.identity_rows(cols, torch.bfloat16, K, 64)
+    nf4.linear(x, packed, qs)
+    packed.copy_(torch.randint(0, 256, packed.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6)))
+    qs.absmax.copy_(torch.roll(qs.absmax, 3))
+    wd = lin.operand(packed, qs, torch.bfloat16)
+    assert_bitexact(nf4.linear(x, packed, qs), lin.picked(wd.t(), cols, scales, torch.bfloat16))
+
+
+# --- the name ---------------------------------------------------------------------------------------
+
+
+def test_linear_is_the_function_after_importing_its_modules():
+    """`nf4.linear` (the function) shadows the package on the nf4 namespace; importing the package's
+    modules, in either order and before or after `import nf4`, must not rebind it."""
+    for prelude in ("import nf4; import nf4.linear.api; import nf4.linear.config; import nf4.linear.kernel",
+                    "import nf4.linear.config; import nf4.linear.api; import nf4",
+                    "from nf4.linear import api, config; import nf4; from nf4.linear.api import run",
+                    "import importlib, nf4; importlib.import_module('nf4.linear.api')"):
+        code = (f"{prelude}\nimport nf4 as m\nassert callable(m.linear), m.linear\n"
+                "assert m.linear.__module__ == 'nf4.linear.api', m.linear.__module__\n"
+                "assert m.linear is __import__('sys').modules['nf4.linear.api'].linear\nprint('ok')")
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (prelude, result.stderr[-2000:])
+    assert callable(nf4.linear) and nf4.linear.__module__ == "nf4.linear.api"
+
+
+# --- torch.compile in the interpreter ----------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.TorchRuntimeError,
+                   reason="nf4/ops.py's nf4::linear triton_op launches the kernels with wrap_triton; under Triton's "
+                   "interpreter the kernels are InterpretedFunctions, which run on torch.compile's FakeTensors "
+                   "('Cannot access data pointer of Tensor (e.g. FakeTensor...)'); nf4.dequantize's opaque custom_op "
+                   "compiles on the CPU (tests/nf4/dequant/test_api.py)")
+@pytest.mark.parametrize("m", [2, 33], ids=["gemv", "gemm"])
+def test_torch_compile_fullgraph_cpu(lin, case, m):
+    """torch.compile(fullgraph=True, backend="aot_eager") of a function calling nf4.linear: the eager bits."""
+    packed, qs = case
+    bias = lin.randn((N,), torch.bfloat16, 71)
+
+    def fn(x):
+        return nf4.linear(x, packed, qs, bias=bias)
+
+    torch._dynamo.reset()
+    try:
+        x = lin.randn((m, K), torch.bfloat16, 72)
+        assert_bitexact(torch.compile(fn, fullgraph=True, backend="aot_eager")(x), fn(x), name="compiled vs eager")
+    finally:
+        torch._dynamo.reset()

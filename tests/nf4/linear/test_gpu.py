@@ -1,0 +1,229 @@
+"""`nf4.linear` on a CUDA GPU: the operand check over every weight, the sum check, torch.compile and
+CUDA graphs (docs/FORMAT.md §9-10).
+
+Skipped without CUDA (and under TRITON_INTERPRET). Weights are quantized on the GPU by bitsandbytes;
+ftz takes its CUDA default (on) in nf4.dequantize and nf4.linear alike, so the operand is
+`nf4.dequantize(W).to(x.dtype)`. The operand check feeds a signed, power-of-two-scaled permutation
+of the identity in chunks of M rows (every column of W, or every row for the backward, once), so
+each config is checked on every weight at the M it is called with, through the repeat-call plans
+too (every chunk after the second takes the bound launch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+if torch.cuda.is_available():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import nf4
+    from nf4.linear import LinearConfig
+    from nf4.linear.api import _weight, run
+    from nf4.linear.kernel import nf4_gemv_kernel
+    from reference.linear import worst_ratio
+    from verify.exact import assert_bitexact
+
+    if isinstance(nf4_gemv_kernel, InterpretedFunction):
+        pytest.skip("TRITON_INTERPRET is set: these tests need compiled kernels", allow_module_level=True)
+
+    FORWARD = {  # name -> (rows of x per call, config)
+        "tuned-M1": (1, None), "tuned-M3": (3, None), "tuned-M16": (16, None), "tuned-M64": (64, None),
+        "tuned-M300": (300, None),
+        "gemv": (4, LinearConfig(path="gemv")),
+        "gemv-split1": (2, LinearConfig(path="gemv", split_k=1, codebook=0)),
+        "gemv-split3": (3, LinearConfig(path="gemv", split_k=3, step_bytes=16, codebook=1)),
+        "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
+        "gemm-swap": (16, LinearConfig(path="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
+        "dequant": (8, LinearConfig(path="dequant")),
+    }
+    BACKWARD = {
+        "tuned-M1": (1, None), "tuned-M16": (16, None), "tuned-M300": (300, None),
+        "gemv": (4, LinearConfig(path="gemv", codebook=1)),
+        "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
+        "gemm-small": (37, LinearConfig(path="gemm", block_m=16, block_n=16, block_k=64, codebook=0)),
+    }
+
+CUDA = "cuda"
+SHAPES = [(1024, 4096), (4096, 1024), (333, 512), (45, 384)]  # (N, K); N odd in the last two
+
+
+def _forward_all(lin, packed, qs, dtype, name, seed):
+    """Every column of W through K identity rows (a signed, scaled permutation) in chunks of M rows."""
+    m, config = FORWARD[name]
+    n, k = qs.shape
+    wd = lin.operand(packed, qs, dtype)
+    perm = lin.permutation(k, seed)
+    x, scales = lin.identity_rows(perm, dtype, k, seed + 1, device=CUDA)
+    got = torch.cat([nf4.linear(x[i:i + m], packed, qs, config=config) for i in range(0, k, m)])
+    assert got.dtype == dtype and tuple(got.shape) == (k, n)
+    assert_bitexact(got, lin.picked(wd.t(), perm, scales, dtype), name=f"forward {name}")
+
+
+def _backward_all(lin, packed, qs, dtype, name, seed):
+    """Every row of W through N identity rows of dY in chunks of M rows: dY @ W."""
+    m, config = BACKWARD[name]
+    n, k = qs.shape
+    wd = lin.operand(packed, qs, dtype)
+    w = _weight(packed, qs)
+    perm = lin.permutation(n, seed)
+    dy, scales = lin.identity_rows(perm, dtype, n, seed + 1, device=CUDA)
+    got = torch.cat([run(dy[i:i + m], packed, w, None, trans=True, config=config) for i in range(0, n, m)])
+    assert got.dtype == dtype and tuple(got.shape) == (n, k)
+    assert_bitexact(got, lin.picked(wd, perm, scales, dtype), name=f"backward {name}")
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("blocksize", [64, 128])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_operand(nf4h, lin, shape, blocksize, dtype, double_quant):
+    """Every forward config (the tuned table at M = 1, 3, 16, 64, 300; GEMV with split-K auto, 1, 3; the
+    tl.dot kernel plain and swapped; nf4.dequantize + cuBLAS) and every backward config, on every weight;
+    autograd's x.grad through identity rows of dY."""
+    seed = nf4h.case_seed("gpu-operand", shape, blocksize, dtype, double_quant)
+    packed, qs = nf4h.quantize(shape, dtype, blocksize, double_quant, seed=seed, device=CUDA)
+    for name in FORWARD:
+        _forward_all(lin, packed, qs, dtype, name, seed)
+    for name in BACKWARD:
+        _backward_all(lin, packed, qs, dtype, name, seed)
+    n, k = shape
+    rows = lin.columns(n, 16, seed)
+    dy, scales = lin.identity_rows(rows, dtype, n, seed + 2, device=CUDA)
+    x = torch.randn(16, k, device=CUDA).to(dtype).requires_grad_()
+    nf4.linear(x, packed, qs).backward(dy)
+    assert_bitexact(x.grad, lin.picked(lin.operand(packed, qs, dtype), rows, scales, dtype), name="autograd x.grad")
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["wfp16", "wbf16", "wfp32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_operand_mixed_dtypes_and_storage(nf4h, lin, dtype, w_dtype):
+    """A weight of another dtype than x (the operand is rounded to W's dtype, then converted), stored as
+    bfloat16: the tuned forward at M = 1 and 64 and the GEMV backward."""
+    seed = nf4h.case_seed("gpu-mixed", dtype, w_dtype)
+    packed, qs = nf4h.quantize((333, 512), w_dtype, 64, True, seed=seed, device=CUDA, quant_storage=torch.bfloat16)
+    for name in ("tuned-M1", "tuned-M64", "gemm-swap"):
+        _forward_all(lin, packed, qs, dtype, name, seed)
+    _backward_all(lin, packed, qs, dtype, "gemv", seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_sum_within_bound(nf4h, lin, record_property, shape, dtype):
+    """Random x (and a bias): the worst ratio of |y - exact| to the float32 accumulation bound is <= 1 for
+    every forward config and the backward; dense cuBLAS on the dequantized weight is reported beside it."""
+    seed = nf4h.case_seed("gpu-sum", shape, dtype)
+    packed, qs = nf4h.quantize(shape, dtype, 64, True, seed=seed, device=CUDA)
+    n, k = shape
+    wd = lin.operand(packed, qs, dtype)
+    w64 = lin.np64(wd)
+    bias = lin.randn((n,), dtype, seed + 1, device=CUDA)
+    rows = 16  # the ratio over the first rows (the float64 product of all 300 would dominate the test's time)
+    for name, (m, config) in FORWARD.items():
+        x = lin.randn((max(m, 1), k), dtype, seed + m, device=CUDA)
+        for b in (None, bias):
+            y = nf4.linear(x, packed, qs, bias=b, config=config)
+            dense = torch.nn.functional.linear(x, wd, b)
+            b64 = None if b is None else lin.np64(b)
+            x64 = lin.np64(x[:rows])
+            ours = worst_ratio(lin.np64(y[:rows]), x64, w64, dtype, b64)
+            theirs = worst_ratio(lin.np64(dense[:rows]), x64, w64, dtype, b64)
+            label = f"{name}-{'bias' if b is not None else 'nobias'}"
+            record_property(f"{label}_nf4_ratio", ours)
+            record_property(f"{label}_cublas_ratio", theirs)
+            print(f"\n{label}: worst ratio nf4.linear {ours:.3g}, dense cuBLAS {theirs:.3g}")
+            assert ours <= 1.0, f"{label}: {ours}"
+    w = _weight(packed, qs)
+    for name, (m, config) in BACKWARD.items():
+        dy = lin.randn((max(m, 1), n), dtype, seed + 100 + m, device=CUDA)
+        got = run(dy, packed, w, None, trans=True, config=config)
+        ours = worst_ratio(lin.np64(got[:rows]), lin.np64(dy[:rows]), lin.np64(wd.t()), dtype)
+        theirs = worst_ratio(lin.np64((dy @ wd)[:rows]), lin.np64(dy[:rows]), lin.np64(wd.t()), dtype)
+        record_property(f"backward-{name}_nf4_ratio", ours)
+        print(f"\nbackward-{name}: worst ratio nf4.linear {ours:.3g}, dense cuBLAS {theirs:.3g}")
+        assert ours <= 1.0, f"backward {name}: {ours}"
+
+
+# --- torch.compile and CUDA graphs ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_torch_compile_forward(nf4h, lin, dtype, m):
+    """torch.compile(fullgraph=True) (Inductor) of a function calling nf4.linear: the same bits as eager
+    (the tuned path at each M: GEMV, the swapped tl.dot, nf4.dequantize + cuBLAS on an H100)."""
+    from torch._dynamo.utils import counters
+
+    packed, qs = nf4h.quantize((333, 512), dtype, 64, True, seed=nf4h.case_seed("gpu-compile", dtype, m), device=CUDA)
+    bias = lin.randn((333,), dtype, 1, device=CUDA)
+
+    def fn(x):
+        return nf4.linear(x, packed, qs, bias=bias)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    for seed in (2, 3):
+        x = lin.randn((m, 512), dtype, seed, device=CUDA)
+        assert_bitexact(compiled(x), fn(x), name=f"compiled vs eager, M={m}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_torch_compile_forward_backward(nf4h, lin, m):
+    """Forward and backward compiled: y and x.grad bit for bit as eager; bias.grad (a sum over rows,
+    whose order Inductor may choose) to within its rounding."""
+    dtype = torch.bfloat16
+    packed, qs = nf4h.quantize((333, 512), dtype, 64, True, seed=nf4h.case_seed("gpu-compile-bwd", m), device=CUDA)
+
+    def fn(x, bias):
+        return nf4.linear(x, packed, qs, bias=bias)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    x0 = lin.randn((m, 512), dtype, 4, device=CUDA)
+    b0 = lin.randn((333,), dtype, 5, device=CUDA)
+    dy = lin.randn((m, 333), dtype, 6, device=CUDA)
+    results = []
+    for f in (fn, compiled):
+        x, b = x0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = f(x, b)
+        y.backward(dy)
+        results.append((y.detach(), x.grad, b.grad))
+    (ye, gxe, gbe), (yc, gxc, gbc) = results
+    assert_bitexact(yc, ye, name="compiled y")
+    assert_bitexact(gxc, gxe, name="compiled x.grad")
+    torch.testing.assert_close(gbc, gbe, rtol=2**-7, atol=2**-14)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_graph_capture(nf4h, lin, dtype, m):
+    """nf4.linear captured in a CUDA graph (after warm-up on a side stream) and replayed on new inputs
+    copied into the static x: the same bits as eager calls on those inputs (split-K GEMV with its
+    partial buffer at M = 1 and 3, the tl.dot kernel at 16, nf4.dequantize + cuBLAS at 64 on an H100)."""
+    packed, qs = nf4h.quantize((1024, 4096), dtype, 64, True, seed=nf4h.case_seed("gpu-graph", dtype, m), device=CUDA)
+    bias = lin.randn((1024,), dtype, 7, device=CUDA)
+    static_x = lin.randn((m, 4096), dtype, 8, device=CUDA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile, then bind the repeat-call plan, then use it
+            nf4.linear(static_x, packed, qs, bias=bias)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = nf4.linear(static_x, packed, qs, bias=bias)
+    for seed in (9, 10, 11):
+        x = lin.randn((m, 4096), dtype, seed, device=CUDA)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitexact(static_y, nf4.linear(x, packed, qs, bias=bias), name=f"graph replay, input {seed}")
