@@ -73,8 +73,8 @@ class LinearConfig:
         return replace(self, **changes)
 
 
-# Measured on an H100 (results/linear/bench_h100.json, and the tuning sweeps of the session that
-# wrote this table; bf16, 14336x4096, 4096x14336, 4096x4096): the split-K GEMV up to 4 rows of x,
+# Measured on an H100 (results/linear/bench_h100.json, and the tuning sweeps in results/linear/tuning/;
+# bf16, 14336x4096, 4096x14336, 4096x4096): the split-K GEMV up to 4 rows of x,
 # nf4.dequantize + cuBLAS above. The swapped tl.dot tile (GEMM_SMALL) beat nf4.dequantize + cuBLAS
 # only on the tall 14336x4096 weight at M = 8-16 and lost by 2.8-3x on the other two, so the table
 # (keyed by M alone) does not take it. The backward's fused tiles were 2-5x slower than
