@@ -77,8 +77,10 @@ class LinearConfig:
 # bf16, 14336x4096, 4096x14336, 4096x4096): the split-K GEMV up to 4 rows of x,
 # nf4.dequantize + cuBLAS above. The swapped tl.dot tile (GEMM_SMALL) beat nf4.dequantize + cuBLAS
 # only on the tall 14336x4096 weight at M = 8-16 and lost by 2.8-3x on the other two, so the table
-# (keyed by M alone) does not take it. The backward's fused tiles were 2-5x slower than
-# nf4.dequantize + cuBLAS at every M measured (16-4096), so the table takes the latter; the fused
+# (keyed by M alone) does not take it (results/linear/tuning/bench_8d9bb27_h100.json). The backward's
+# fused tiles took 2-4x the time of a dequantize plus cuBLAS at M = 64-1024 (tuning/sweep5_h100.json:
+# backward rows against the dense matmul rows, plus nf4.dequantize's own time), so the table takes the
+# latter; the fused
 # backward stays available as LinearConfig(path="gemm") and is tested operand-exact.
 GEMV = LinearConfig(path="gemv", block_r=32, num_warps=2, codebook=0, programs_per_sm=16)
 GEMM_SMALL = LinearConfig(path="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
