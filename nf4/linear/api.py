@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import weakref
 
+import numpy as np
 import torch
 import triton
 
@@ -366,15 +367,17 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
             return run(x, weight, w, bias)
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
         bias = getattr(weight, "bias", None)  # a Linear4bit brings its bias
+        if isinstance(bias, torch.Tensor) and isinstance(x, torch.Tensor) and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)  # as Linear4bit.forward does (its bias stays float32 while x is 16-bit)
     packed, qs = _unpack_module(weight, quant_state)
     w = _weight(packed, qs) if not torch.compiler.is_compiling() else _traced_weight(packed, qs)
     _check_x(x, w, False)
     _check_bias(bias, x, w)
-    if ftz is not None and not isinstance(ftz, bool):
+    if ftz is not None and not isinstance(ftz, (bool, np.bool_)):
         raise TypeError(f"ftz must be True, False or None (the device's default), got {type(ftz).__name__} {ftz!r}")
     if config is not None and not isinstance(config, LinearConfig):
         raise TypeError(f"config must be a nf4.LinearConfig, got {type(config).__name__}")
-    ftz = x.device.type == "cuda" if ftz is None else ftz
+    ftz = x.device.type == "cuda" if ftz is None else bool(ftz)
     if torch.compiler.is_compiling():
         from ..ops import linear_op
 

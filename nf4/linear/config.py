@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 PATHS = ("gemv", "gemm", "dequant")
 
 
-def _pow2(v: int) -> bool:
-    return v >= 1 and v & (v - 1) == 0
+def _pow2(v) -> bool:
+    return type(v) is int and v >= 1 and v & (v - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,12 @@ class LinearConfig:
         for name in ("block_r", "step_bytes", "block_m", "block_n", "block_k", "group"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"LinearConfig.{name} must be a power of two, got {getattr(self, name)}")
+        for name in ("split_k", "programs_per_sm", "num_stages", "num_warps", "codebook"):
+            if type(getattr(self, name)) is not int:
+                raise TypeError(f"LinearConfig.{name} must be an int, got {getattr(self, name)!r}")
+        for name in ("swap", "bf16_bits", "plan"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LinearConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.split_k < 0 or self.programs_per_sm < 1:
             raise ValueError(f"LinearConfig: split_k must be >= 0 and programs_per_sm >= 1, got {self.split_k}, "
                              f"{self.programs_per_sm}")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -190,6 +191,24 @@ def test_linear4bit_and_params4bit(nf4h, lin, quant_storage):
     xr = lin.randn((4, K), torch.bfloat16, 33).requires_grad_()
     nf4.linear(xr, layer).backward(lin.randn((4, N), torch.bfloat16, 34))
     assert xr.grad is not None and layer.bias.grad is not None
+
+
+def test_linear4bit_float32_bias(nf4h, lin):
+    """A Linear4bit whose bias stayed float32 (its default) with bfloat16 x: the bias is cast to x's dtype
+    first, as Linear4bit.forward does, and the result equals the bfloat16-bias one bit for bit."""
+    layer = _linear4bit(nf4h, K, N, nf4h.case_seed("l4b-f32-bias"), bias_dtype=torch.float32)
+    x = lin.randn((3, K), torch.bfloat16, 35)
+    want = nf4.linear(x, layer.weight, bias=layer.bias.detach().to(torch.bfloat16))
+    assert_bitexact(nf4.linear(x, layer), want, name="float32 bias cast to bfloat16")
+    assert layer.bias.dtype == torch.float32  # the module's bias is not modified
+
+
+def test_ftz_numpy_bool(nf4h, lin):
+    """ftz accepts NumPy booleans like nf4.dequantize does."""
+    layer = _linear4bit(nf4h, K, N, nf4h.case_seed("l4b-np-ftz"), bias_dtype=torch.bfloat16)
+    x = lin.randn((2, K), torch.bfloat16, 36)
+    assert_bitexact(nf4.linear(x, layer.weight, ftz=np.False_), nf4.linear(x, layer.weight, ftz=False))
+    assert_bitexact(nf4.linear(x, layer.weight, ftz=np.True_), nf4.linear(x, layer.weight, ftz=True))
 
 
 # --- fallbacks ------------------------------------------------------------------------------------

@@ -122,7 +122,22 @@ BAD_CONFIG = [
     ("split_k", {"split_k": -1}, r"split_k must be >= 0.*got -1"),
     ("programs_per_sm", {"programs_per_sm": 0}, r"programs_per_sm >= 1.*0"),
     ("num_warps", {"num_warps": 3}, r"LinearConfig\.num_warps must be a power of two up to 16, got 3"),
+    ("block_r-bool", {"block_r": True}, r"LinearConfig\.block_r must be a power of two, got True"),
+    ("block_m-float", {"block_m": 64.0}, r"LinearConfig\.block_m must be a power of two, got 64.0"),
 ]
+
+BAD_CONFIG_TYPES = [
+    ("split_k-float", {"split_k": 2.0}, r"LinearConfig\.split_k must be an int, got 2.0"),
+    ("num_warps-bool", {"num_warps": True}, r"LinearConfig\.num_warps must be an int, got True"),
+    ("swap-int", {"swap": 1}, r"LinearConfig\.swap must be a bool, got 1"),
+]
+
+
+@pytest.mark.parametrize(("changes", "pattern"), [c[1:] for c in BAD_CONFIG_TYPES],
+                         ids=[c[0] for c in BAD_CONFIG_TYPES])
+def test_bad_linear_config_types(changes, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        LinearConfig(**changes)
 
 
 @pytest.mark.parametrize(("changes", "pattern"), [c[1:] for c in BAD_CONFIG], ids=[c[0] for c in BAD_CONFIG])
