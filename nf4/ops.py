@@ -46,12 +46,6 @@ def dequantize_op(packed, absmax, absmax2, code2, offset, out, n, blocksize, nes
 # --- nf4.linear: a triton_op, so that Inductor sees (and schedules) the Triton kernels --------------
 
 
-class _WeightArgs:
-    """The fields of nf4.linear.api._Weight that the kernels read, rebuilt from the op's arguments."""
-
-    __slots__ = ("K", "N", "absmax", "absmax2", "blocksize", "code2", "dtype", "nested", "offset")
-
-
 @torch.library.triton_op("nf4::linear", mutates_args=())
 def _linear(
     x: torch.Tensor,
@@ -78,9 +72,7 @@ def _linear(
     from .linear import api
     from .linear import config as config_mod
 
-    w = _WeightArgs()
-    w.N, w.K, w.blocksize, w.dtype, w.nested = n, k, blocksize, w_dtype, absmax2 is not None
-    w.absmax, w.absmax2, w.code2, w.offset = absmax, absmax2, code2, offset
+    w = api.new_weight(n, k, blocksize, absmax2 is not None, w_dtype, absmax, absmax2, code2, offset, x.device)
     m = x.shape[0]
     n_out = k if trans else n
     config = config_mod.tuned(api._device_name(x.device), m, trans)

@@ -81,47 +81,43 @@ def _device_name(device: torch.device) -> str:
     return name
 
 
+def new_weight(n_out: int, k: int, blocksize: int, nested: bool, dtype, absmax, absmax2, code2, offset,
+               device) -> _Weight:
+    """A `_Weight` holding what the kernels read (no cache fields); nf4.ops builds one from its op's inputs."""
+    w = _Weight()
+    w.N, w.K, w.blocksize, w.nested, w.dtype = n_out, k, blocksize, nested, dtype
+    w.absmax, w.absmax2, w.code2, w.offset, w.device = absmax, absmax2, code2, offset, device
+    # the kernels need whole absmax blocks per row (bitsandbytes' own condition for its fused path)
+    w.fused = n_out * k > 0 and k % blocksize == 0
+    return w
+
+
+def _checked_weight(packed, qs) -> _Weight:
+    """The full checks of (packed, qs) for a linear, as a `_Weight` without cache fields."""
+    shape, _, _, blocksize, _, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, None)
+    if len(shape) != 2:
+        raise ValueError(f"quant_state.shape must be 2-D (out_features, in_features) for a linear, got {shape}")
+    return new_weight(shape[0], shape[1], blocksize, nested, qs.dtype, absmax, absmax2, code2, offset, packed.device)
+
+
 def weight_state(packed: torch.Tensor, qs) -> _Weight:
     """The validated state of (packed, qs) that `run` takes: remembered per QuantState (never holding
     the packed weight or the QuantState itself), checked in full the first time."""
     w = _weights.get(id(qs))
     if w is not None and w.matches(qs, packed):
         return w
-    shape, n, _, blocksize, _, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, None)
-    if len(shape) != 2:
-        raise ValueError(f"quant_state.shape must be 2-D (out_features, in_features) for a linear, got {shape}")
-    w = _Weight()
-    w.N, w.K = shape
-    w.blocksize, w.nested, w.dtype = blocksize, nested, qs.dtype
-    w.absmax, w.absmax2, w.code2, w.offset = absmax, absmax2, code2, offset
-    w.device = packed.device
+    w = _checked_weight(packed, qs)
     w.qs_absmax, w.qs_shape = qs.absmax, qs.shape
     w.state2 = getattr(qs, "state2", None)
     w.state2_absmax = w.state2.absmax if w.state2 is not None else None
     w.state2_code = w.state2.code if w.state2 is not None else None
     w.offset_ref = getattr(qs, "offset", None)
     w.packed_dtype, w.packed_numel = packed.dtype, packed.numel()
-    # the kernels need whole absmax blocks per row (bitsandbytes' own condition for its fused path)
-    w.fused = n > 0 and w.K % blocksize == 0
     w.launches = {}
     key = id(qs)
     if key not in _weights:
         weakref.finalize(qs, _weights.pop, key, None)
     _weights[key] = w
-    return w
-
-
-def _traced_weight(packed, qs) -> _Weight:
-    """The checks of `_weight` without its cache (what torch.compile traces)."""
-    shape, n, _, blocksize, _, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, None)
-    if len(shape) != 2:
-        raise ValueError(f"quant_state.shape must be 2-D (out_features, in_features) for a linear, got {shape}")
-    w = _Weight()
-    w.N, w.K = shape
-    w.blocksize, w.nested, w.dtype = blocksize, nested, qs.dtype
-    w.absmax, w.absmax2, w.code2, w.offset = absmax, absmax2, code2, offset
-    w.device = packed.device
-    w.fused = n > 0 and w.K % blocksize == 0
     return w
 
 
@@ -370,7 +366,7 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
         if isinstance(bias, torch.Tensor) and isinstance(x, torch.Tensor) and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)  # as Linear4bit.forward does (its bias stays float32 while x is 16-bit)
     packed, qs = _unpack_module(weight, quant_state)
-    w = _weight(packed, qs) if not torch.compiler.is_compiling() else _traced_weight(packed, qs)
+    w = _weight(packed, qs) if not torch.compiler.is_compiling() else _checked_weight(packed, qs)  # no cache
     _check_x(x, w, False)
     _check_bias(bias, x, w)
     if ftz is not None and not isinstance(ftz, (bool, np.bool_)):
