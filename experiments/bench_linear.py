@@ -43,7 +43,10 @@ HOST_MS = (1, 512)
 
 # (block_r, warps, codebook, programs_per_sm); 32 bytes per row and step (half the blocksize of 64)
 GEMV_GRID = [(32, 2, 2, 16), (64, 4, 2, 8), (64, 4, 2, 4), (32, 2, 2, 8), (16, 1, 2, 16), (128, 4, 2, 4),
-             (64, 2, 2, 8), (32, 2, 0, 16), (64, 4, 0, 8)]
+             (64, 2, 2, 8), (32, 2, 0, 16), (64, 4, 0, 8),
+             # codebook 3: the word GEMV with a product table per absmax block (M <= 4)
+             (128, 2, 3, 16), (128, 2, 3, 8), (64, 2, 3, 16), (128, 4, 3, 8), (256, 4, 3, 8), (32, 2, 3, 16),
+             (256, 8, 3, 4)]
 # (block_m, block_n, block_k, warps, stages, swap, codebook); block_k is capped at the blocksize (64 here)
 GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128, 64, 4, 1, True, 2),
              (32, 64, 64, 4, 1, True, 2), (64, 64, 64, 4, 1, True, 2), (64, 128, 64, 4, 1, False, 2),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from reference.format import ABSMAX_BLOCKSIZE, FLT_MIN, HIGH_NIBBLE_SHIFT, LOW_NIBBLE_MASK, NF4_CODE
+from reference.format import ABSMAX_BLOCKSIZE, FLT_MIN, HIGH_NIBBLE_SHIFT, LOW_NIBBLE_MASK, NF4_CODE, NF4_CODE_BITS
 
 # constexprs built from the format module (float32 -> Python float is exact)
 FLT_MIN_F32 = tl.constexpr(float(FLT_MIN))  # smallest normal float32
@@ -212,3 +212,78 @@ def widen(v, BF16_BITS: tl.constexpr):
     else:
         r = v.to(tl.float32)
     return r
+
+
+# --- A block's 16 products in registers, looked up with PTX `prmt` (the fused linear's GEMV) --------
+#
+# For one absmax block, the 16 possible weights round(NF4[c] * absmax) (16-bit) are computed once and
+# kept as byte planes: t0..t3 hold the low bytes of entries 0-3, 4-7, 8-11, 12-15 and t4..t7 their high
+# bytes. `prmt` picks 4 bytes out of 8 by 3-bit selectors, so a 4-bit code selects in both halves of a
+# plane (entries 0-7 and 8-15) and a third `prmt` keeps the half its top bit names. A 32-bit word of
+# 4 packed bytes (8 weights) costs 2 x 11 instructions; the table 16 multiplies, 8 conversions, 8 prmt.
+
+
+def _table_asm(ftz: bool, dtype: str) -> str:
+    mul_op = "mul.rn.ftz.f32" if ftz else "mul.rn.f32"
+    lines = ["{", ".reg .b32 p<16>;", ".reg .b32 q<8>;"]
+    lines += [f"{mul_op} p{i}, $8, 0f{int(NF4_CODE_BITS[i]):08X};" for i in range(16)]
+    # cvt.rn.{bf16,f16}x2.f32 d, a, b puts a in the high half: entry 2i + 1 high, 2i low
+    lines += [f"cvt.rn.{dtype}x2.f32 q{i}, p{2 * i + 1}, p{2 * i};" for i in range(8)]
+    lines += [f"prmt.b32 ${i}, q{2 * i}, q{2 * i + 1}, 0x6420;" for i in range(4)]  # low bytes
+    lines += [f"prmt.b32 ${4 + i}, q{2 * i}, q{2 * i + 1}, 0x7531;" for i in range(4)]  # high bytes
+    return "\n".join([*lines, "}"])
+
+
+def _lookup_half(src: str, out0: int) -> list[str]:
+    """Two output pairs from the low 16 bits of register `src` (bytes 0-1 of it: 4 codes)."""
+    return [
+        f"and.b32 i, {src}, 0x7777;",  # the low 3 bits of each code: a prmt selector
+        "prmt.b32 l0, $5, $6, i;", "prmt.b32 l1, $7, $8, i;",  # low bytes of entries c & 7 and 8 + (c & 7)
+        "prmt.b32 h0, $9, $10, i;", "prmt.b32 h1, $11, $12, i;",
+        f"shr.b32 u, {src}, 1;", "and.b32 u, u, 0x4444;", "or.b32 u, u, 0x3210;",  # byte k: k, or 4 + k if c >= 8
+        "prmt.b32 l, l0, l1, u;", "prmt.b32 h, h0, h1, u;",
+        # byte j of the word holds element 2j in its high nibble (selector nibble 1, 3) and 2j + 1 in
+        # its low one (0, 2); a pair has element 2j in its low half
+        f"prmt.b32 ${out0}, l, h, 0x4051;", f"prmt.b32 ${out0 + 1}, l, h, 0x6273;",
+    ]
+
+
+_LOOKUP_ASM = "\n".join(["{", ".reg .b32 i, u, s, l0, l1, h0, h1, l, h;", *_lookup_half("$4", 0),
+                         "shr.b32 s, $4, 16;", *_lookup_half("s", 2), "}"])
+_TABLE_ASM_BF16_FTZ = tl.constexpr(_table_asm(True, "bf16"))
+_TABLE_ASM_BF16 = tl.constexpr(_table_asm(False, "bf16"))
+_TABLE_ASM_F16_FTZ = tl.constexpr(_table_asm(True, "f16"))
+_TABLE_ASM_F16 = tl.constexpr(_table_asm(False, "f16"))
+LOOKUP_ASM = tl.constexpr(_LOOKUP_ASM)
+
+
+@triton.jit
+def product_table(absmax, FTZ: tl.constexpr, DT: tl.constexpr):
+    """The byte planes (t0..t7, uint32) of round_DT(mul(NF4[c], absmax, FTZ)) for c = 0..15, per
+    element of `absmax` (float32). DT: 1 float16, 2 bfloat16 (round to nearest even). GPU only (PTX)."""
+    if DT == 2:
+        if FTZ:
+            return _table(absmax, _TABLE_ASM_BF16_FTZ)
+        else:
+            return _table(absmax, _TABLE_ASM_BF16)
+    else:
+        if FTZ:
+            return _table(absmax, _TABLE_ASM_F16_FTZ)
+        else:
+            return _table(absmax, _TABLE_ASM_F16)
+
+
+@triton.jit
+def _table(absmax, ASM_TEXT: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM_TEXT, "=r,=r,=r,=r,=r,=r,=r,=r,r", [absmax],
+                                     dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def table_pairs(word, t0, t1, t2, t3, t4, t5, t6, t7):
+    """A 32-bit word of 4 packed bytes -> 4 uint32 pairs of 16-bit weights from its block's table
+    (`product_table`): pair j holds element 2j (the high nibble of byte j) in its low half and
+    element 2j + 1 in its high half, the order of x's 16-bit pairs. GPU only (PTX)."""
+    return tl.inline_asm_elementwise(LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                     [word, t0, t1, t2, t3, t4, t5, t6, t7],
+                                     dtype=(tl.uint32,) * 4, is_pure=True, pack=1)

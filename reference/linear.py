@@ -138,8 +138,8 @@ def _next_pow2(v: int) -> int:
     return 1 if v <= 1 else 1 << (v - 1).bit_length()
 
 
-def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16", *, block_r: int | None = None
-               ) -> np.ndarray:
+def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16", *, block_r: int | None = None,
+               word: int = 1) -> np.ndarray:
     """nf4.linear's GEMV forward, bit for bit as Triton's interpreter runs it: x [M, K] @ w_operand.T.
 
     x: float32 [M, K] holding the 16-bit values of x (bfloat16 bits: widen them first);
@@ -157,6 +157,9 @@ def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16
     then the split's partial is np.sum(acc, axis=2) (the interpreter's tl.sum is that call on the
     float32 array). The partials are added in split order in float32, then the bias (float32), and
     the result is rounded once to out_dtype (nearest even).
+    word=4 models nf4_gemv_table_kernel (codebook 3): a lane owns a 32-bit word, so the accumulator
+    is [BLOCK_M, rows, half / 4] and lane t adds the products of bytes c0 + 4t .. c0 + 4t + 3 in turn
+    (each byte's two elements as above) before the next step.
 
     The array handed to np.sum is C-contiguous float32 with the reduced axis last and contiguous,
     as in the interpreter (rows of x padded to BLOCK_M = next_pow2(M) with zeros). NumPy reduces
@@ -177,6 +180,8 @@ def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16
     m, k = x.shape
     n = w.shape[0]
     kb = k // 2
+    if word not in (1, 4) or half % word:
+        raise ValueError(f"word must be 1 or 4 and divide half ({half}), got {word}")
     if half < 1 or seg < half or seg % half or kb % half:
         raise ValueError(f"half must divide K / 2 = {kb} and seg ({seg}) must be a multiple of half ({half})")
     block_m = _next_pow2(m)
@@ -196,11 +201,12 @@ def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16
         partial = None
         for s in range(n_split):
             first, end = s * seg, min((s + 1) * seg, kb)
-            acc = np.zeros((block_m, rows, half), dtype=F32)
+            acc = np.zeros((block_m, rows, half // word), dtype=F32)
             for c0 in range(first, end, half):
-                j = slice(c0, c0 + half)
-                acc = fma_float32(we[None, :, j], x_even[:, None, j], acc)
-                acc = fma_float32(wo[None, :, j], x_odd[:, None, j], acc)
+                for b in range(word):  # lane t: bytes c0 + t * word + b, b = 0 .. word - 1 in turn
+                    j = slice(c0 + b, c0 + half, word)
+                    acc = fma_float32(we[None, :, j], x_even[:, None, j], acc)
+                    acc = fma_float32(wo[None, :, j], x_odd[:, None, j], acc)
             part = np.sum(np.ascontiguousarray(acc), axis=2)[:m, : r1 - r0]
             partial = part if partial is None else (partial + part).astype(F32)
         y[:, r0:r1] = partial

@@ -26,7 +26,7 @@ from .. import runtime
 from ..dequant.api import _check_state, _dummy, _unpack_module, code_table
 from ..dequant.api import dequantize as _dequantize
 from .config import LinearConfig, tuned
-from .kernel import nf4_gemm_kernel, nf4_gemv_kernel, nf4_split_sum_kernel
+from .kernel import nf4_gemm_kernel, nf4_gemv_kernel, nf4_gemv_table_kernel, nf4_split_sum_kernel
 
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _X_DTYPES = (torch.float16, torch.bfloat16)
@@ -166,7 +166,7 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
         "bias_ptr": bias if bias is not None else dummy, "out_ptr": out,
         "M": m, "N": w.N, "K": w.K, "KB": kb,
         "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": ftz, "ASM": not interpreting,
-        "CODEBOOK": config.codebook, "W_DT": _DT[w.dtype], "X_DT": _DT[x.dtype], "TRANS": trans,
+        "CODEBOOK": config.codebook % 3, "W_DT": _DT[w.dtype], "X_DT": _DT[x.dtype], "TRANS": trans,
         "HAS_BIAS": bias is not None, "BF16_BITS": interpreting or config.bf16_bits, "EVICT": config.evict,
     }  # fmt: skip
     if config.path == "gemv":
@@ -177,14 +177,20 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
         options = {"num_warps": config.num_warps}
         if trans:
             return [(nf4_gemv_kernel, (triton.cdiv(kb, half),), args, options)]
+        kernel = nf4_gemv_kernel
+        if config.codebook == 3:
+            if table_ok(w, x.dtype, packed, half, m):
+                kernel = nf4_gemv_table_kernel
+                for name in ("CODEBOOK", "W_DT", "TRANS"):
+                    del args[name]
         grid = (triton.cdiv(w.N, config.block_r) * split,)
         if split == 1:
-            return [(nf4_gemv_kernel, grid, args, options)]
+            return [(kernel, grid, args, options)]
         args.update(out_ptr=part, HAS_BIAS=False)
         sum_args = {"part_ptr": part, "bias_ptr": args["bias_ptr"], "out_ptr": out, "MN": m * w.N, "N": w.N,
                     "SPLIT": split, "HAS_BIAS": bias is not None, "X_DT": _DT[x.dtype],
                     "BF16_BITS": args["BF16_BITS"], "BLOCK": SUM_BLOCK}
-        return [(nf4_gemv_kernel, grid, args, options),
+        return [(kernel, grid, args, options),
                 (nf4_split_sum_kernel, (triton.cdiv(m * w.N, SUM_BLOCK),), sum_args, {"num_warps": 4})]
     block_k = min(w.blocksize, config.block_k)  # one absmax block per row and step
     args.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP=config.group,
@@ -195,6 +201,13 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
 
 
 SUM_BLOCK = 1024
+
+
+def table_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, half: int, m: int) -> bool:
+    """Whether codebook 3's GEMV (nf4_gemv_table_kernel) takes this product: at most 4 rows of x, W's dtype
+    is x's, the packed bytes are 4-byte aligned and a step is whole words; otherwise codebook 3 runs
+    nf4_gemv_kernel with the 16-entry table (codebook 0)."""
+    return m <= 4 and w.dtype == x_dtype and packed.data_ptr() % 4 == 0 and half % 4 == 0
 
 
 def _check_x(x, w: _Weight, trans: bool):

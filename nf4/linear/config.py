@@ -44,7 +44,10 @@ class LinearConfig:
     swap: bool = False  # forward: out^T = W @ x^T, the decoded tile as tl.dot's first operand (small M)
     num_stages: int = 3
     num_warps: int = 4
-    codebook: int = 2  # 0: 16-entry table gather, 1: select tree, 2: 256-entry table of level pairs
+    # 0: 16-entry table gather, 1: select tree, 2: 256-entry table of level pairs, 3 (GEMV forward): each
+    # absmax block's 16 products in registers, looked up with prmt (nf4_gemv_table_kernel; where it cannot
+    # run, and in the other kernels, codebook 3 means 0)
+    codebook: int = 2
     evict: str = "evict_first"  # eviction policy of the packed bytes (read once per x tile)
     bf16_bits: bool = False  # round to bfloat16 with integer ops on the GPU too (the interpreter always does)
     plan: bool = True  # remember validated calls (the cheap repeat call)
@@ -71,8 +74,8 @@ class LinearConfig:
                              f"{self.block_m}, {self.block_n}, {self.block_k}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"LinearConfig.num_warps must be a power of two up to 16, got {self.num_warps}")
-        if self.codebook not in (0, 1, 2):
-            raise ValueError(f"LinearConfig.codebook must be 0, 1 or 2, got {self.codebook}")
+        if self.codebook not in (0, 1, 2, 3):
+            raise ValueError(f"LinearConfig.codebook must be 0, 1, 2 or 3, got {self.codebook}")
 
     def with_(self, **changes) -> LinearConfig:
         """A copy with some fields changed."""

@@ -18,12 +18,14 @@ import nf4
 from nf4.linear import LinearConfig
 
 # Configs the interpreter tests run: small tiles so that N and K are several tiles and not multiples
-# of them; every codebook (0 gather, 1 select tree, 2 pair table) appears.
+# of them; every codebook (0 gather, 1 select tree, 2 pair table, 3 product table: the word GEMV where
+# W's dtype is x's and M <= 4, else the 16-entry gather) appears.
 FORWARD = {
     "gemv": LinearConfig(path="gemv"),
     "gemv-s1": LinearConfig(path="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0),
     "gemv-s2": LinearConfig(path="gemv", split_k=2, block_r=8, step_bytes=32, codebook=1),
     "gemv-s3": LinearConfig(path="gemv", split_k=3, step_bytes=16),
+    "gemv-table": LinearConfig(path="gemv", split_k=2, block_r=16, step_bytes=32, codebook=3),
     "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=1),
     "gemm-swap": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=128, swap=True, codebook=0),
     "tuned": None,  # the interpreter's rows: GEMV for M <= 4, the tl.dot kernel above

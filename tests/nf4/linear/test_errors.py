@@ -118,7 +118,7 @@ BAD_CONFIG = [
     ("group", {"group": 6}, r"LinearConfig\.group must be a power of two, got 6"),
     ("block_m-small", {"block_m": 8}, r"block_m >= 16.*got 8"),
     ("block_k-small", {"block_k": 16}, r"block_k >= 32.*16"),
-    ("codebook", {"codebook": 3}, r"LinearConfig\.codebook must be 0, 1 or 2, got 3"),
+    ("codebook", {"codebook": 4}, r"LinearConfig\.codebook must be 0, 1, 2 or 3, got 4"),
     ("split_k", {"split_k": -1}, r"split_k must be >= 0.*got -1"),
     ("programs_per_sm", {"programs_per_sm": 0}, r"programs_per_sm >= 1.*0"),
     ("num_warps", {"num_warps": 3}, r"LinearConfig\.num_warps must be a power of two up to 16, got 3"),

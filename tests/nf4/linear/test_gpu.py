@@ -38,6 +38,8 @@ if torch.cuda.is_available():
         "gemv": (4, LinearConfig(path="gemv")),
         "gemv-split1": (2, LinearConfig(path="gemv", split_k=1, codebook=0)),
         "gemv-split3": (3, LinearConfig(path="gemv", split_k=3, step_bytes=16, codebook=1)),
+        "gemv-table": (4, LinearConfig(path="gemv", codebook=3, block_r=128)),
+        "gemv-table-M1": (1, LinearConfig(path="gemv", codebook=3, block_r=64, split_k=1)),
         "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
         "gemm-swap": (16, LinearConfig(path="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
         "dequant": (8, LinearConfig(path="dequant")),

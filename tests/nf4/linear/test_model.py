@@ -169,3 +169,37 @@ def test_public_call_matches_model(nf4h, lin, dtype):
     got = nf4.linear(x.reshape(2, 2, 256), packed, qs, bias=bias)
     assert tuple(got.shape) == (2, 2, 45)
     assert_bitexact(lin.bits16(got.reshape(4, 45)), _model_bits(_model(lin, x, wd, bias, half, seg, dtype)))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("blocksize", [32, 64, 128])
+def test_table_gemv_matches_word_model(nf4h, lin, blocksize, dtype):
+    """Codebook 3's word GEMV (nf4_gemv_table_kernel, interpreter fallback decode) against gemv_model(word=4)
+    at M = 1..4, split 1 / 2 / 3, with and without bias, random and cancelling x; the per-byte model
+    (word=1) differs from it somewhere, so the check can fail."""
+    k = 4 * blocksize
+    seed = nf4h.case_seed("model-table", blocksize, dtype)
+    packed, qs = nf4h.quantize((45, k), dtype, blocksize, blocksize != 128, seed=seed)
+    w = linear_api._weight(packed, qs)
+    wd = lin.operand(packed, qs, dtype)
+    differs = 0
+    for m, split_k in ((1, 1), (2, 2), (3, 3), (4, 2)):
+        config = LinearConfig(path="gemv", codebook=3, split_k=split_k, step_bytes=32, block_r=16)
+        split, seg = linear_api.split_k(config, w, m, False, torch.device("cpu"))
+        half = min(blocksize // 2, 32)
+        assert linear_api.kernel_args(lin.randn((m, k), dtype, 0), packed, w, None, None, m, False, config, False,
+                                      True)[0][0] is linear_api.nf4_gemv_table_kernel
+        bias = lin.randn((45,), dtype, seed + 10 + m) if m % 2 else None
+        cases = {"random": (lin.randn((m, k), dtype, seed + m), bias),
+                 "cancelling": lin.cancelling(wd, m, dtype, seed + m)}
+        for label, (x, b) in cases.items():
+            got = linear_api.run(x, packed, w, b, config=config)
+            want = gemv_model(lin.np32(x), lin.np32(wd), half, seg, None if b is None else lin.np32(b),
+                              lin.DT_NAME[dtype], word=4)
+            assert_bitexact(lin.bits16(got), _model_bits(want), name=f"M={m} split={split} {label}")
+            if label == "cancelling":
+                other = gemv_model(lin.np32(x), lin.np32(wd), half, seg, None if b is None else lin.np32(b),
+                                   lin.DT_NAME[dtype], word=1)
+                differs += int((_model_bits(other) != lin.bits16(got)).sum())
+    assert differs > 0, "the word order and the byte order agree everywhere: the check would not see the order"

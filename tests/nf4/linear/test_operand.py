@@ -35,7 +35,7 @@ STORAGES = (torch.uint8, torch.bfloat16, torch.float32)
 # blocksize -> K: whole blocks per row (3, 2, 2, 1); 3 steps of 16 bytes at blocksize 32
 K_OF = {32: 96, 64: 128, 128: 256, 256: 256}
 N = 45  # odd; not a multiple of block_r (8, 16, 32) or block_n (16, 32, 128)
-FWD = ("gemv", "gemv-s1", "gemv-s2", "gemv-s3", "gemm", "gemm-swap", "tuned")  # keys of lin.FORWARD
+FWD = ("gemv", "gemv-s1", "gemv-s2", "gemv-s3", "gemv-table", "gemm", "gemm-swap", "tuned")  # keys of lin.FORWARD
 BWD = ("gemv", "gemv-small", "gemm", "gemm-wide", "tuned")  # keys of lin.BACKWARD
 # (x dtype, W dtype, double quant, storage): every dtype pair and storage with double quantization,
 # and a third of them (each dtype pair once) without
@@ -54,10 +54,13 @@ def _check_forward(lin, packed, qs, x_dtype, config, seed, *, ftz=False, name=""
     w = _weight(packed, qs)
     wt = lin.operand(packed, qs, x_dtype, ftz=ftz).t()  # [K, N]: row k holds column k of W
     k = w.K
+    # codebook 3's word GEMV takes at most 4 rows of x: all columns in chunks of 4 rows reach it
+    chunk = 4 if config is not None and config.codebook == 3 else k
     for label, cols in (("all columns", lin.permutation(k, seed)), ("1 row", lin.columns(k, 1, seed + 1)),
                         ("3 rows", lin.columns(k, 3, seed + 2))):
         x, scales = lin.identity_rows(cols, x_dtype, k, seed + 3)
-        got = run(x, packed, w, None, config=config, ftz=ftz)
+        got = torch.cat([run(x[i:i + chunk], packed, w, None, config=config, ftz=ftz)
+                         for i in range(0, cols.numel(), chunk)])
         assert got.dtype == x_dtype and tuple(got.shape) == (cols.numel(), w.N)
         assert_bitexact(got, lin.picked(wt, cols, scales, x_dtype), name=f"{name} forward, {label}")
 
