@@ -139,7 +139,7 @@ def _next_pow2(v: int) -> int:
 
 
 def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16", *, block_r: int | None = None,
-               word: int = 1) -> np.ndarray:
+               word: int = 1, lanes: int | None = None) -> np.ndarray:
     """nf4.linear's GEMV forward, bit for bit as Triton's interpreter runs it: x [M, K] @ w_operand.T.
 
     x: float32 [M, K] holding the 16-bit values of x (bfloat16 bits: widen them first);
@@ -157,9 +157,10 @@ def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16
     then the split's partial is np.sum(acc, axis=2) (the interpreter's tl.sum is that call on the
     float32 array). The partials are added in split order in float32, then the bias (float32), and
     the result is rounded once to out_dtype (nearest even).
-    word=4 models nf4_gemv_table_kernel (codebook 3): a lane owns a 32-bit word, so the accumulator
-    is [BLOCK_M, rows, half / 4] and lane t adds the products of bytes c0 + 4t .. c0 + 4t + 3 in turn
-    (each byte's two elements as above) before the next step.
+    word=4, lanes=4 models nf4_gemv_table_kernel (codebook 3): the accumulator is [BLOCK_M, rows, 4]
+    and a step is half / 16 tiles of 16 bytes; lane t adds the products of bytes 4t .. 4t + 3 of each
+    tile in turn (each byte's two elements as above). word and lanes default to one byte per lane
+    and half lanes, the order above.
 
     The array handed to np.sum is C-contiguous float32 with the reduced axis last and contiguous,
     as in the interpreter (rows of x padded to BLOCK_M = next_pow2(M) with zeros). NumPy reduces
@@ -180,8 +181,9 @@ def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16
     m, k = x.shape
     n = w.shape[0]
     kb = k // 2
-    if word not in (1, 4) or half % word:
-        raise ValueError(f"word must be 1 or 4 and divide half ({half}), got {word}")
+    n_lanes = half // word if lanes is None else lanes
+    if word not in (1, 4) or half % (word * n_lanes):
+        raise ValueError(f"word (1 or 4) times lanes must divide half ({half}), got word={word}, lanes={lanes}")
     if half < 1 or seg < half or seg % half or kb % half:
         raise ValueError(f"half must divide K / 2 = {kb} and seg ({seg}) must be a multiple of half ({half})")
     block_m = _next_pow2(m)
@@ -201,12 +203,14 @@ def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16
         partial = None
         for s in range(n_split):
             first, end = s * seg, min((s + 1) * seg, kb)
-            acc = np.zeros((block_m, rows, half // word), dtype=F32)
+            acc = np.zeros((block_m, rows, n_lanes), dtype=F32)
             for c0 in range(first, end, half):
-                for b in range(word):  # lane t: bytes c0 + t * word + b, b = 0 .. word - 1 in turn
-                    j = slice(c0 + b, c0 + half, word)
-                    acc = fma_float32(we[None, :, j], x_even[:, None, j], acc)
-                    acc = fma_float32(wo[None, :, j], x_odd[:, None, j], acc)
+                for tile in range(half // (word * n_lanes)):  # lane t: chunk t of each tile in turn
+                    t0 = c0 + tile * word * n_lanes
+                    for b in range(word):  # the chunk's bytes in turn: lane t's byte t0 + t * word + b
+                        j = slice(t0 + b, t0 + word * n_lanes, word)
+                        acc = fma_float32(we[None, :, j], x_even[:, None, j], acc)
+                        acc = fma_float32(wo[None, :, j], x_odd[:, None, j], acc)
             part = np.sum(np.ascontiguousarray(acc), axis=2)[:m, : r1 - r0]
             partial = part if partial is None else (partial + part).astype(F32)
         y[:, r0:r1] = partial

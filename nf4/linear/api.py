@@ -183,6 +183,7 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
                 kernel = nf4_gemv_table_kernel
                 for name in ("CODEBOOK", "W_DT", "TRANS"):
                     del args[name]
+                args["HALF"] = min(half, 32)
         grid = (triton.cdiv(w.N, config.block_r) * split,)
         if split == 1:
             return [(kernel, grid, args, options)]
@@ -207,7 +208,7 @@ def table_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, half: int, 
     """Whether codebook 3's GEMV (nf4_gemv_table_kernel) takes this product: at most 4 rows of x, W's dtype
     is x's, the packed bytes are 4-byte aligned and a step is whole words; otherwise codebook 3 runs
     nf4_gemv_kernel with the 16-entry table (codebook 0)."""
-    return m <= 4 and w.dtype == x_dtype and packed.data_ptr() % 4 == 0 and half % 4 == 0
+    return m <= 4 and w.dtype == x_dtype and packed.data_ptr() % 4 == 0 and half % 16 == 0
 
 
 def _check_x(x, w: _Weight, trans: bool):

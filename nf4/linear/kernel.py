@@ -203,20 +203,14 @@ def nf4_gemv_kernel(
 
 
 @triton.jit
-def _word_pairs(word, absmax, code_ptr, FTZ: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr,
-                BF16_BITS: tl.constexpr):
+def _word_pairs(word, absmax, code_ptr, FTZ: tl.constexpr, DT: tl.constexpr, BF16_BITS: tl.constexpr):
     """[R, W] uint32 words of packed bytes, absmax [R, 1] (their block's) -> 4 [R, W] uint32 pairs of the
-    16-bit weights (pair j: element 2j low, 2j + 1 high). ASM: the block's product table looked up with
-    prmt (nf4.device.product_table); otherwise (the interpreter) each nibble decoded as in `_decode`:
-    the same values."""
-    if ASM:
-        t0, t1, t2, t3, t4, t5, t6, t7 = product_table(absmax, FTZ, DT)
-        p0, p1, p2, p3 = table_pairs(word, t0, t1, t2, t3, t4, t5, t6, t7)
-    else:
-        p0 = _byte_pair(word & 0xFF, absmax, code_ptr, FTZ, DT, BF16_BITS)
-        p1 = _byte_pair((word >> 8) & 0xFF, absmax, code_ptr, FTZ, DT, BF16_BITS)
-        p2 = _byte_pair((word >> 16) & 0xFF, absmax, code_ptr, FTZ, DT, BF16_BITS)
-        p3 = _byte_pair(word >> 24, absmax, code_ptr, FTZ, DT, BF16_BITS)
+    16-bit weights (pair j: element 2j low, 2j + 1 high), each nibble decoded as in `_decode`: the values
+    nf4.device.product_table + table_pairs give on the GPU (Triton's interpreter has no PTX)."""
+    p0 = _byte_pair(word & 0xFF, absmax, code_ptr, FTZ, DT, BF16_BITS)
+    p1 = _byte_pair((word >> 8) & 0xFF, absmax, code_ptr, FTZ, DT, BF16_BITS)
+    p2 = _byte_pair((word >> 16) & 0xFF, absmax, code_ptr, FTZ, DT, BF16_BITS)
+    p3 = _byte_pair(word >> 24, absmax, code_ptr, FTZ, DT, BF16_BITS)
     return p0, p1, p2, p3
 
 
@@ -267,15 +261,16 @@ def nf4_gemv_table_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows of x: 1, 2 or 4 (next power of two of M)
     BLOCK_R: tl.constexpr,
-    HALF: tl.constexpr,  # bytes of a row per step: a multiple of 4, at most BLOCKSIZE / 2
+    HALF: tl.constexpr,  # bytes of a row per step: 16 or 32, at most BLOCKSIZE / 2
     SPLIT, SEG, PARTIAL: tl.constexpr, BF16_BITS: tl.constexpr, EVICT: tl.constexpr,
 ):
     """The GEMV forward of `nf4_gemv_kernel` (x @ W^T, split-K with float32 partials) reading W as 32-bit
-    words and decoding each absmax block through its 16-entry product table (codebook 3). For each row
-    m of x, a lane owns one word (4 bytes, 8 weights) of a row of W per step and adds its 8 products in
-    element order; the lanes of a row are summed once at the end. Needs M <= 4, W's dtype == x's
-    dtype and 4-byte aligned packed bytes (the API checks them)."""
-    WORDS: tl.constexpr = HALF // 4
+    words and decoding each absmax block through its 16-entry product table (codebook 3), built once
+    per row and step. A step is one or two 16-byte tiles of a row (4 words each); for each row m of
+    x, lane t of a row takes word t of each tile in turn and adds its 8 products in element order;
+    the 4 lanes of a row are summed once at the end. Needs M <= 4, W's dtype == x's dtype and 4-byte
+    aligned packed bytes (the API checks them)."""
+    NSUB: tl.constexpr = HALF // 16  # 16-byte tiles per step (1 or 2): a lane takes word t of each
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     xw_ptr = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)  # x[m, 2j] and x[m, 2j + 1] in one load
     KW = KB // 4  # words per row of W
@@ -285,26 +280,37 @@ def nf4_gemv_table_kernel(
     row_ok = rows < N
     first = pid_k * SEG
     end = tl.minimum(first + SEG, KB)
-    # a lane per (row, word) for each row of x; rows of x past M read row 0 and are not stored
-    acc0 = tl.zeros((BLOCK_R, WORDS), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_R, WORDS), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_R, WORDS), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_R, WORDS), dtype=tl.float32)
+    # a lane per (row, word of a 16-byte tile) for each row of x; rows of x past M read row M - 1 and
+    # are not stored
+    acc0 = tl.zeros((BLOCK_R, 4), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_R, 4), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_R, 4), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_R, 4), dtype=tl.float32)
     x1 = xw_ptr + tl.minimum(1, M - 1) * KB
     x2 = xw_ptr + tl.minimum(2, M - 1) * KB
     x3 = xw_ptr + tl.minimum(3, M - 1) * KB
-    wi = tl.arange(0, WORDS)
+    wi = tl.arange(0, 4)
     wrow = packed_ptr + rows[:, None] * KW
-    nxt = tl.load(wrow + (first // 4 + wi)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
+    nxt0 = tl.load(wrow + (first // 4 + wi)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
+    nxt1 = nxt0
+    if NSUB == 2:
+        nxt1 = tl.load(wrow + (first // 4 + 4 + wi)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
     for c0 in range(first, end, HALF):
-        word = nxt
+        word0 = nxt0
+        word1 = nxt1
         c1 = tl.minimum(c0 + HALF, end - HALF)  # the last step re-reads itself (in bounds, unused)
-        nxt = tl.load(wrow + (c1 // 4 + wi)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
+        nxt0 = tl.load(wrow + (c1 // 4 + wi)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
+        if NSUB == 2:
+            nxt1 = tl.load(wrow + (c1 // 4 + 4 + wi)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
         blk = (rows * KB + c0) // (BLOCKSIZE // 2)
         absmax = absmax_of_block(blk, row_ok, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, DOUBLE_QUANT, FTZ,
                                  ASM)
         absmax = tl.where(row_ok, absmax, 0.0)[:, None]
-        p0, p1, p2, p3 = _word_pairs(word, absmax, code_ptr, FTZ, ASM, X_DT, BF16_BITS)
+        if ASM:  # the block's table once for both tiles
+            t0, t1, t2, t3, t4, t5, t6, t7 = product_table(absmax, FTZ, X_DT)
+            p0, p1, p2, p3 = table_pairs(word0, t0, t1, t2, t3, t4, t5, t6, t7)
+        else:
+            p0, p1, p2, p3 = _word_pairs(word0, absmax, code_ptr, FTZ, X_DT, BF16_BITS)
         xw = c0 + 4 * wi  # x's pair for byte 0 of each word
         acc0 = _fma_word(p0, p1, p2, p3, xw_ptr, xw, acc0, X_DT)
         if BLOCK_M > 1:
@@ -312,6 +318,18 @@ def nf4_gemv_table_kernel(
         if BLOCK_M > 2:
             acc2 = _fma_word(p0, p1, p2, p3, x2, xw, acc2, X_DT)
             acc3 = _fma_word(p0, p1, p2, p3, x3, xw, acc3, X_DT)
+        if NSUB == 2:
+            if ASM:
+                p0, p1, p2, p3 = table_pairs(word1, t0, t1, t2, t3, t4, t5, t6, t7)
+            else:
+                p0, p1, p2, p3 = _word_pairs(word1, absmax, code_ptr, FTZ, X_DT, BF16_BITS)
+            xw = xw + 16
+            acc0 = _fma_word(p0, p1, p2, p3, xw_ptr, xw, acc0, X_DT)
+            if BLOCK_M > 1:
+                acc1 = _fma_word(p0, p1, p2, p3, x1, xw, acc1, X_DT)
+            if BLOCK_M > 2:
+                acc2 = _fma_word(p0, p1, p2, p3, x2, xw, acc2, X_DT)
+                acc3 = _fma_word(p0, p1, p2, p3, x3, xw, acc3, X_DT)
     _store_row(acc0, out_ptr, out_ptr, bias_ptr, rows, row_ok, 0, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
     if BLOCK_M > 1:
         _store_row(acc1, out_ptr, out_ptr, bias_ptr, rows, row_ok, 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT,

@@ -196,7 +196,7 @@ def test_table_gemv_matches_word_model(nf4h, lin, blocksize, dtype):
         for label, (x, b) in cases.items():
             got = linear_api.run(x, packed, w, b, config=config)
             want = gemv_model(lin.np32(x), lin.np32(wd), half, seg, None if b is None else lin.np32(b),
-                              lin.DT_NAME[dtype], word=4)
+                              lin.DT_NAME[dtype], word=4, lanes=4)
             assert_bitexact(lin.bits16(got), _model_bits(want), name=f"M={m} split={split} {label}")
             if label == "cancelling":
                 other = gemv_model(lin.np32(x), lin.np32(wd), half, seg, None if b is None else lin.np32(b),
