@@ -52,8 +52,9 @@ not routable, see nf4.integrations.bitsandbytes).
 
 Verdicts: `losses_identical` (every loss of every rank and step bit-identical between nf4 and bnb),
 `lora_identical` (the trained LoRA shards too), `bnb_deterministic` (bnb and bnb_repeat identical, losses and LoRA),
-`unsharded_matches_fsdp` (each rank's first FSDP loss equals its unsharded model's). Exit 1 when a run failed, the
-sharded model disagrees with the unsharded one, or nf4 differs from a deterministic bitsandbytes.
+`unsharded_matches_fsdp` (each rank's first FSDP loss equals its unsharded model's). Exit 1 when a run failed or nf4
+differs from a deterministic bitsandbytes (`unsharded_matches_fsdp` is only reported: on the GPU the sharded
+model's first loss differed from the unsharded one's in its last bits, with bitsandbytes alone too).
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ def failed(payload: dict) -> list[str]:
     why = [f"{name}: {run['error']}" for name, run in payload.get("runs", {}).items() if "error" in run]
     if "error" in payload:
         why.append(payload["error"])
-    if v.get("unsharded_matches_fsdp") is False:
-        why.append("a rank's first sharded loss differs from its unsharded model's")
+    # unsharded_matches_fsdp is reported, not required: on two H200s (results/fsdp/) the unsharded model's
+    # first loss differed from the sharded one's in the last bits with bitsandbytes alone too (another
+    # summation order), which says nothing about nf4
     if v.get("bnb_deterministic") and v.get("losses_identical") is False:
         why.append("nf4's losses differ from a deterministic bitsandbytes")
     if v.get("routed_to_nf4") == 0:
