@@ -208,7 +208,16 @@ def table_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, half: int, 
     """Whether codebook 3's GEMV (nf4_gemv_table_kernel) takes this product: at most 4 rows of x, W's dtype
     is x's, the packed bytes are 4-byte aligned and a step is whole words; otherwise codebook 3 runs
     nf4_gemv_kernel with the 16-entry table (codebook 0)."""
-    return m <= 4 and w.dtype == x_dtype and packed.data_ptr() % 4 == 0 and half % 16 == 0
+    return m <= 4 and w.dtype == x_dtype and _aligned(packed, 4) and half % 16 == 0
+
+
+def _aligned(t: torch.Tensor, size: int) -> bool:
+    """Whether t's data starts at a multiple of `size` bytes; for a tensor without data (torch.compile's
+    FakeTensors, traced by nf4.ops) its offset in its storage decides (storages are allocated aligned)."""
+    try:
+        return t.data_ptr() % size == 0
+    except RuntimeError:
+        return t.storage_offset() * t.element_size() % size == 0
 
 
 def _check_x(x, w: _Weight, trans: bool):

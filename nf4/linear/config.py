@@ -83,7 +83,7 @@ class LinearConfig:
 
 
 # Measured on an H100 (results/linear/bench_h100.json, and the tuning sweeps in results/linear/tuning/;
-# bf16, 14336x4096, 4096x14336, 4096x4096): the split-K GEMV up to 4 rows of x,
+# bf16, 14336x4096, 4096x14336, 4096x4096): the split-K word GEMV (GEMV_TABLE) up to 4 rows of x,
 # nf4.dequantize + cuBLAS above. The swapped tl.dot tile (GEMM_SMALL) beat nf4.dequantize + cuBLAS
 # only on the tall 14336x4096 weight at M = 8-16 and lost by 2.8-3x on the other two, so the table
 # (keyed by M alone) does not take it (results/linear/tuning/bench_8d9bb27_h100.json). The backward's
@@ -92,6 +92,10 @@ class LinearConfig:
 # latter; the fused
 # backward stays available as LinearConfig(path="gemm") and is tested operand-exact.
 GEMV = LinearConfig(path="gemv", block_r=32, num_warps=2, codebook=0, programs_per_sm=16)
+# The word GEMV with a product table per absmax block (codebook 3; M <= 4, W dtype == x dtype): H100 sweeps at
+# fa8a542 and 2c50c38 (results/linear/tuning/sweep_table*_h100.json), 14336x4096 bf16 M=1 32.0-33.3 us against
+# 43.9-44.2 for GEMV above, and the fastest nf4 config at M = 1, 2, 4 on the three bar weights.
+GEMV_TABLE = LinearConfig(path="gemv", block_r=128, num_warps=2, codebook=3, programs_per_sm=16)
 GEMM_SMALL = LinearConfig(path="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
                           codebook=0)
 GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=1, codebook=0)
@@ -100,7 +104,7 @@ DEQUANT = LinearConfig(path="dequant")
 Rows = tuple[tuple[int | None, LinearConfig], ...]
 TUNED: dict[str, dict[str, Rows]] = {
     "H100": {
-        "forward": ((4, GEMV), (None, DEQUANT)),
+        "forward": ((4, GEMV_TABLE), (None, DEQUANT)),
         "backward": ((None, DEQUANT),),
     },
 }
