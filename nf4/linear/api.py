@@ -214,10 +214,11 @@ def table_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, half: int, 
 def _aligned(t: torch.Tensor, size: int) -> bool:
     """Whether t's data starts at a multiple of `size` bytes; for a tensor without data (torch.compile's
     FakeTensors, traced by nf4.ops) its offset in its storage decides (storages are allocated aligned)."""
-    try:
-        return t.data_ptr() % size == 0
-    except RuntimeError:
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):
         return t.storage_offset() * t.element_size() % size == 0
+    return t.data_ptr() % size == 0
 
 
 def _check_x(x, w: _Weight, trans: bool):
