@@ -25,6 +25,7 @@ if torch.cuda.is_available():
     import nf4
     from nf4.linear import LinearConfig
     from nf4.linear.api import _weight, run
+    from nf4.linear.config import tuned
     from nf4.linear.kernel import nf4_gemv_kernel
     from reference.linear import worst_ratio
     from verify.exact import assert_bitexact
@@ -139,7 +140,12 @@ def test_sum_within_bound(nf4h, lin, record_property, shape, dtype):
             record_property(f"{label}_nf4_ratio", ours)
             record_property(f"{label}_cublas_ratio", theirs)
             print(f"\n{label}: worst ratio nf4.linear {ours:.3g}, dense cuBLAS {theirs:.3g}")
-            assert ours <= 1.0, f"{label}: {ours}"
+            if (config or tuned(torch.cuda.get_device_name(), x.shape[0])).path == "dequant":
+                # nf4.dequantize + cuBLAS: cuBLAS's own sum (which can exceed the float32 bound: 3.93 at
+                # 333x512 on an H100 with torch's default reduced-precision reductions), bit for bit
+                assert_bitexact(y, dense, name=label)
+            else:
+                assert ours <= 1.0, f"{label}: {ours}"
     w = _weight(packed, qs)
     for name, (m, config) in BACKWARD.items():
         dy = lin.randn((max(m, 1), n), dtype, seed + 100 + m, device=CUDA)
