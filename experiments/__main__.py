@@ -1,4 +1,4 @@
-"""python -m experiments {list, run, sm75, bench, bench-linear, probe, qlora}: see experiments/README.md.
+"""python -m experiments {list, run, sm75, bench, bench-linear, probe, qlora, fsdp-qlora}: see experiments/README.md.
 
 Without a CUDA device, TRITON_INTERPRET=1 is set here, before anything imports triton, so that
 `run` checks the variants in Triton's interpreter. `sm75` (and `run --sm75`) compiles in a child
@@ -29,6 +29,10 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("qlora", help="GPU: QLoRA train step and decode, bitsandbytes alone against nf4 patched in "
                    "(experiments.qlora)", add_help=False)
+    sub.add_parser("fsdp-qlora", help="GPUs (or --cpu): FSDP-QLoRA training steps sharded over one process per GPU, "
+                   "bitsandbytes alone against nf4 patched in (experiments.fsdp_qlora)", add_help=False)
+    sub.add_parser("compile-dequant", help="GPU: torch.compile'd nf4.dequantize, triton_op against the opaque op "
+                   "and eager (experiments.compile_dequant)", add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
     run = sub.add_parser("run", help="check every variant bit-exact, then time it (GPU)")
     run.add_argument("ids", nargs="*", help="variant ids or shell patterns (v3*); default all")
@@ -50,7 +54,7 @@ def main(argv=None) -> int:
     sm.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora"):
+    if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])

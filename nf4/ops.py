@@ -3,21 +3,34 @@
 Only used while torch.compile traces (`nf4.dequantize` and `nf4.linear` check
 `torch.compiler.is_compiling()`); eager calls launch the kernels directly and pay no dispatcher cost.
 
-- `nf4::dequantize_into`: an opaque custom op (Inductor calls it; it launches through nf4.runtime).
+- `nf4::dequantize` (a new tensor) and `nf4::dequantize_into` (into `out`): `triton_op`s whose body
+  launches the dequantize kernel with `wrap_triton`, so that Inductor sees the Triton kernel itself
+  and schedules it in its graph. The launch is the one `nf4.launch` runs eagerly
+  (`nf4.dequant.api.kernel_launch`, the tuned table's config) with two differences that tracing
+  asks for: the word path is chosen from the packed tensor's storage offset (a traced tensor has
+  no data pointer), as Inductor chooses its own alignment assumption, and the IEEE product is PTX
+  too (Inductor compiles the kernel with FMA contraction on).
+- `nf4::dequantize_opaque`: an opaque custom op launching through nf4.runtime. Those two ops take it
+  in Triton's interpreter, where `wrap_triton` cannot trace (the kernels are InterpretedFunctions,
+  which would run on torch.compile's FakeTensors), so that torch.compile works on a CPU as before;
+  experiments.compile_dequant also times it against them.
 - `nf4::linear`: a `triton_op` whose body launches the linear kernels with `wrap_triton`, so
-  Inductor sees the Triton kernels themselves; its autograd formula is the same op with `trans`
-  flipped (dY @ W), and the bias gradient a sum over rows.
+  Inductor sees the Triton kernels themselves (on its dequant path, the dequantize kernel as above);
+  its autograd formula is the same op with `trans` flipped (dY @ W), and the bias gradient a sum
+  over rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .dequant.api import launch
+from .dequant.api import _interpreter_on, kernel_launch, launch, traced_tables, tuned_config
+
+# --- nf4.dequantize -------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("nf4::dequantize_into", mutates_args=("out",))
-def _dequantize_into(
+@torch.library.custom_op("nf4::dequantize_opaque", mutates_args=("out",))
+def _dequantize_opaque(
     packed: torch.Tensor,
     absmax: torch.Tensor,
     absmax2: torch.Tensor | None,
@@ -32,14 +45,93 @@ def _dequantize_into(
     launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)
 
 
-@_dequantize_into.register_fake
+@_dequantize_opaque.register_fake
 def _(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz) -> None:
     return None
 
 
-def dequantize_op(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz):
-    """Run the kernel through the custom op (traceable); returns `out`."""
-    torch.ops.nf4.dequantize_into(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)
+def _word_aligned(packed: torch.Tensor) -> bool:
+    """Whether the packed bytes start 4-byte aligned (the kernel's word path).
+
+    A tensor with data answers by its pointer. A traced one (FakeTensor) has none: its storage offset
+    answers instead, where it keeps the bytes 16-byte aligned, which is the alignment Inductor assumes
+    of such a graph input and restores (by a copy) when one arrives misaligned
+    (`torch._inductor.utils.tensor_is_aligned`).
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not is_fake(packed):
+        return packed.data_ptr() % 4 == 0
+    return statically_known_true(packed.storage_offset() * packed.element_size() % 16 == 0)
+
+
+def _dequantize_traceable(packed, absmax, absmax2, code2, offset, code, code_pairs, dummy, out, blocksize, ftz):
+    """The dequantize kernel into `out` as a triton_op's body launches it: through `wrap_triton`, or in
+    Triton's interpreter through the opaque op."""
+    n = out.numel()
+    if n == 0:
+        return
+    nested = absmax2 is not None
+    if _interpreter_on():
+        torch.ops.nf4.dequantize_opaque(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)
+        return
+    from torch.library import wrap_triton
+
+    config = tuned_config(packed.device, n * out.element_size())
+    fn, grid, args, options = kernel_launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz,
+                                            config, vec=_word_aligned(packed), fusion_proof=True,
+                                            code=code_pairs if config.codebook == 2 else code, dummy=dummy)
+    wrap_triton(fn)[grid](**args, **options)
+
+
+@torch.library.triton_op("nf4::dequantize", mutates_args=())
+def _dequantize(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    absmax2: torch.Tensor | None,
+    code2: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    code: torch.Tensor,
+    code_pairs: torch.Tensor,
+    dummy: torch.Tensor,
+    shape: list[int],
+    out_dtype: torch.dtype,
+    blocksize: int,
+    ftz: bool,
+) -> torch.Tensor:
+    """The weight of `shape` in out_dtype (absmax2, code2, offset: None without double quantization)."""
+    out = torch.empty(shape, dtype=out_dtype, device=packed.device)
+    _dequantize_traceable(packed, absmax, absmax2, code2, offset, code, code_pairs, dummy, out, blocksize, ftz)
+    return out
+
+
+@torch.library.triton_op("nf4::dequantize_into", mutates_args=("out",))
+def _dequantize_into(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    absmax2: torch.Tensor | None,
+    code2: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    code: torch.Tensor,
+    code_pairs: torch.Tensor,
+    dummy: torch.Tensor,
+    out: torch.Tensor,
+    blocksize: int,
+    ftz: bool,
+) -> None:
+    """The weight into `out` (contiguous, the weight's shape and output dtype)."""
+    _dequantize_traceable(packed, absmax, absmax2, code2, offset, code, code_pairs, dummy, out, blocksize, ftz)
+
+
+def dequantize_op(packed, absmax, absmax2, code2, offset, out, shape, out_dtype, blocksize, ftz):
+    """nf4.dequantize through the triton_ops (what torch.compile traces): into `out`, or a new tensor
+    of `shape` and out_dtype when `out` is None; returns it."""
+    tables = traced_tables(packed.device)
+    if out is None:
+        return torch.ops.nf4.dequantize(packed, absmax, absmax2, code2, offset, *tables, list(shape), out_dtype,
+                                        blocksize, ftz)
+    torch.ops.nf4.dequantize_into(packed, absmax, absmax2, code2, offset, *tables, out, blocksize, ftz)
     return out
 
 
@@ -78,7 +170,7 @@ def _linear(
     config = config_mod.tuned(api._device_name(x.device), m, trans)
     if config.path == "dequant":
         wt = torch.empty((n, k), dtype=w_dtype, device=x.device)
-        dequantize_op(packed, absmax, absmax2, code2, offset, wt, n * k, blocksize, w.nested, ftz)
+        _dequantize_traceable(packed, absmax, absmax2, code2, offset, code, code_pairs, dummy, wt, blocksize, ftz)
         wt = wt.to(x.dtype)
         return x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
@@ -116,10 +208,10 @@ _linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 def linear_op(x, packed, qs_parts, bias, ftz: bool):
     """nf4.linear through the triton_op (what torch.compile traces): x (..., K) -> (..., N)."""
-    from .dequant.api import _dummy, code_table
     absmax, absmax2, code2, offset, n, k, blocksize, w_dtype = qs_parts
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
-    y = torch.ops.nf4.linear(x2, packed, absmax, absmax2, code2, offset, code_table(x.device, 0),
-                             code_table(x.device, 2), _dummy(x.device), bias, n, k, blocksize, w_dtype, ftz, False)
+    code, code_pairs, dummy = traced_tables(x.device)
+    y = torch.ops.nf4.linear(x2, packed, absmax, absmax2, code2, offset, code, code_pairs, dummy, bias, n, k,
+                             blocksize, w_dtype, ftz, False)
     return y.reshape(*lead, n)

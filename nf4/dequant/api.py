@@ -195,6 +195,26 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return t
 
 
+@torch.compiler.assume_constant_result
+def _fill_tables(device: torch.device) -> None:
+    code_table(device, 0)
+    code_table(device, 2)
+    _dummy(device)
+
+
+def traced_tables(device: torch.device) -> tuple:
+    """(code_table(device, 0), code_table(device, 2), the stand-in for absent tensors), for code that
+    torch.compile traces (nf4.ops passes them to its ops as inputs).
+
+    torch.compile calls `_fill_tables` instead of tracing it, so the caches are filled before the trace
+    reads them. Traced, a cold cache would be filled by the graph: a side effect that Dynamo refuses
+    inside an autograd.Function (bitsandbytes' MatMul4Bit.backward dequantizes there), and the pair
+    table would be built through torch._numpy, which has no uint64 shifts.
+    """
+    _fill_tables(device)
+    return _code_cache[(device, False)], _code_cache[(device, True)], _dummy_cache[device]
+
+
 def _unpack_module(weight, quant_state):
     """Accept a Linear4bit module, a Params4bit, or (packed tensor, QuantState)."""
     if quant_state is None:
@@ -332,24 +352,23 @@ def tuned_config(device: torch.device, out_bytes: int) -> DequantConfig:
     return tuned(_device_name(device) if not runtime.interpreting(device) else "", out_bytes)
 
 
-def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, *,
-           config: DequantConfig | None = None, plan_for=None):
-    """Launch the fused kernel on prepared tensors (no checks). Returns `out`.
+def kernel_launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, config: DequantConfig, *,
+                  vec: bool, fusion_proof: bool = False, code=None, dummy=None) -> tuple:
+    """The kernel's launch on prepared tensors as (kernel, grid, args, options): built here once for
+    `launch` (eager, through nf4.runtime) and for nf4.ops (torch.compile, through `wrap_triton`).
 
-    config: the meta-parameters (default: the tuned table's choice for this device and size).
-    `DequantConfig(fp_fusion=True)` lets the compiler contract multiply-adds into FMAs (not
-    bit-exact; never used by `dequantize`). plan_for: (packed, quant_state) to remember
-    this launch for the fast repeat call.
+    vec: the packed pointer is 4-byte aligned (the 32-bit word path). fusion_proof: the IEEE product
+    (ftz off) in PTX too, like the flushing one, so that no compile option can contract it into an
+    FMA; Inductor compiles the kernels handed to it with contraction on and has no switch to turn
+    it off, so nf4.ops asks for this, and options then carry num_warps only. code, dummy: the level
+    table of config.codebook and the stand-in for absent double-quantization tensors (nf4.ops passes
+    its op's inputs; looked up otherwise).
     """
     device = packed.device
     interpreting = runtime.interpreting(device)
-    asked = config
-    if config is None:
-        config = tuned_config(device, n * out.element_size())
     tile_bytes, num_warps = config.tile_bytes, config.num_warps
     persist = bool(config.programs_per_sm)
     n_bytes = (n + 1) // 2
-    vec = packed.data_ptr() % 4 == 0
     if vec:
         tile = max(1, tile_bytes // 4)  # words per program
         # Only words whose 8 weights all exist: with odd n the last byte's low nibble is padding,
@@ -366,18 +385,37 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
         grid = (triton.cdiv(n_bytes, tile),)
     index_64 = n + tile_bytes * 2 + 64 > _INT32_LIMIT
     if absmax2 is None:
-        absmax2 = code2 = offset = _dummy(device)
+        absmax2 = code2 = offset = _dummy(device) if dummy is None else dummy
     args = {
         "packed_ptr": packed, "absmax_ptr": absmax, "absmax2_ptr": absmax2, "code2_ptr": code2,
-        "offset_ptr": offset, "code_ptr": code_table(device, config.codebook), "out_ptr": out,
-        "n": n, "n_bytes": n_bytes, "n_words": n_words,
+        "offset_ptr": offset, "code_ptr": code_table(device, config.codebook) if code is None else code,
+        "out_ptr": out, "n": n, "n_bytes": n_bytes, "n_words": n_words,
         "BLOCKSIZE": blocksize, "TILE": tile, "ROW": min(tile, 32 * num_warps),  # words per row: one per thread
-        "DOUBLE_QUANT": nested, "FTZ": ftz, "ASM": ftz and not interpreting, "CODEBOOK": config.codebook,
-        "VEC": vec, "INDEX_64": index_64, "EVICT_STREAM": config.evict_stream,
+        "DOUBLE_QUANT": nested, "FTZ": ftz, "ASM": (ftz or fusion_proof) and not interpreting,
+        "CODEBOOK": config.codebook, "VEC": vec, "INDEX_64": index_64, "EVICT_STREAM": config.evict_stream,
         "BF16_BITS": interpreting or config.bf16_bits, "STORE_CM": config.store_cm, "PERSIST": persist and vec,
     }  # fmt: skip
-    compiled = runtime.launch(nf4_dequantize_kernel, grid, args, device=device, num_warps=num_warps,
-                              enable_fp_fusion=config.fp_fusion)
+    if fusion_proof:
+        return nf4_dequantize_kernel, grid, args, {"num_warps": num_warps}
+    return nf4_dequantize_kernel, grid, args, {"num_warps": num_warps, "enable_fp_fusion": config.fp_fusion}
+
+
+def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, *,
+           config: DequantConfig | None = None, plan_for=None):
+    """Launch the fused kernel on prepared tensors (no checks). Returns `out`.
+
+    config: the meta-parameters (default: the tuned table's choice for this device and size).
+    `DequantConfig(fp_fusion=True)` lets the compiler contract multiply-adds into FMAs (not
+    bit-exact; never used by `dequantize`). plan_for: (packed, quant_state) to remember
+    this launch for the fast repeat call.
+    """
+    device = packed.device
+    asked = config
+    if config is None:
+        config = tuned_config(device, n * out.element_size())
+    fn, grid, args, options = kernel_launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz,
+                                            config, vec=packed.data_ptr() % 4 == 0)
+    compiled = runtime.launch(fn, grid, args, device=device, **options)
     if plan_for is not None and compiled is not None and not config.fp_fusion and config.plan:
         _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], config, asked)
     return out
@@ -422,16 +460,18 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
     shape, n, _, blocksize, out_dtype, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, dtype)
     device = packed.device
     ftz = device.type == "cuda" if ftz is None else bool(ftz)
+    compiling = torch.compiler.is_compiling()
     if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=device)
+        if n == 0 or not compiling:  # under torch.compile the op allocates its result
+            out = torch.empty(shape, dtype=out_dtype, device=device)
     else:
         _check_out(out, shape, out_dtype, device)
     if n == 0:  # an empty weight: an empty result, as bitsandbytes returns
         return out.t() if packed.dim() == 2 and packed.shape[0] == 1 else out
-    if torch.compiler.is_compiling():
+    if compiling:  # the triton_ops of nf4.ops, with the tuned table's config
         from ..ops import dequantize_op
 
-        out = dequantize_op(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz)  # tuned config
+        out = dequantize_op(packed, absmax, absmax2, code2, offset, out, shape, out_dtype, blocksize, ftz)
     else:
         plan_for = (packed, qs) if dtype is None and ftz == (device.type == "cuda") else None
         launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, config=config, plan_for=plan_for)

@@ -21,7 +21,9 @@ bitsandbytes' fast-math CUDA build. The IEEE path (ftz=False, and the interprete
 Triton multiplies and depends on the compile option `enable_fp_fusion=False`, which the launcher
 passes unless a config asks otherwise: with contraction on, `code2 * absmax2 + offset` becomes one
 FMA and rounds once, and some outputs change by one ulp (counted on the GPU by experiment v40
-and tests/nf4/dequant/test_gpu.py).
+and tests/nf4/dequant/test_gpu.py). Under torch.compile, Inductor compiles the kernel with contraction on
+(it has no switch for a user's kernel), so nf4.ops launches it with ASM on for the IEEE path as well:
+PTX `mul.rn.f32`, the same product, which no compile option contracts.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def nf4_dequantize_kernel(
     ROW: tl.constexpr,  # words per row of the word tile: min(TILE, 32 * num_warps)
     DOUBLE_QUANT: tl.constexpr,
     FTZ: tl.constexpr,  # flush subnormals like bitsandbytes' CUDA build
-    ASM: tl.constexpr,  # FTZ through PTX mul.rn.ftz.f32 (not in the interpreter)
+    ASM: tl.constexpr,  # products in PTX: mul.rn.ftz.f32 with FTZ, else mul.rn.f32 (not in the interpreter)
     CODEBOOK: tl.constexpr,  # 0: 16-entry table gather, 1: select tree, 2: 256-entry pair table (words)
     VEC: tl.constexpr,  # 32-bit word loads (needs a 4-byte aligned packed pointer)
     INDEX_64: tl.constexpr,  # 64-bit offsets for tensors of 2**31 elements and more

@@ -109,6 +109,10 @@ def _nf4_device(device: torch.device) -> bool:
 
 
 def _count(function: str, route: str) -> None:
+    if torch.compiler.is_compiling():
+        # not counted while torch.compile traces: Dynamo refuses a side effect inside an autograd.Function
+        # (MatMul4Bit.backward calls the patched dequantize_4bit), and a compiled graph would not count anyway
+        return
     key = (function, route)
     _counts[key] = _counts.get(key, 0) + 1
 

@@ -5,7 +5,8 @@ Skipped without CUDA. Inputs are quantized on the GPU by bitsandbytes. The oracl
 zero), and `reference.dequantize_nf4(..., ftz=True)` beside it; `ftz=False` is checked against the
 reference's IEEE mode. Also: the FMA-contraction trap (a build with enable_fp_fusion=True must
 differ from bitsandbytes where the shipped build does not), a tensor of 2**31 + 3 elements,
-torch.compile with inductor, and a NaN-poisoned `out` at misaligned offsets.
+torch.compile with inductor (its code launching nf4's kernel: alone, in a patched Linear4bit's backward, on
+nf4.linear's dequant path), and a NaN-poisoned `out` at misaligned offsets.
 """
 
 from __future__ import annotations
@@ -327,6 +328,159 @@ def test_torch_compile_inductor(nf4h, dtype, with_out):
     if with_out:
         assert_bitexact(args[1], expect, name="out after the compiled call")
     torch._dynamo.reset()
+
+
+# --- torch.compile: nf4's triton_ops, whose kernel Inductor launches from its own code --------------------------
+
+KERNEL = "nf4_dequantize_kernel"
+
+
+def _compiled_code(fn, *args):
+    """(compiled fn, its first result, Inductor's code) for torch.compile(fn, fullgraph=True); no graph break."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    got, codes = run_and_get_code(compiled, *args)
+    torch.cuda.synchronize()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return compiled, got, "\n".join(codes)
+
+
+@pytest.mark.parametrize("ftz", [True, False], ids=["ftz", "ieee"])
+@pytest.mark.parametrize("with_out", [False, True], ids=["alloc", "out"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+def test_torch_compile_inductor_launches_the_kernel(nf4h, dtype, with_out, ftz):
+    """torch.compile(fullgraph=True) of nf4.dequantize: Inductor's code launches nf4's kernel itself (the triton_ops,
+    not the opaque op), and the result is eager's bit for bit. The IEEE case (ftz=False) is the one Inductor's FMA
+    contraction would change (it compiles a user's kernel with contraction on): the traced launch multiplies in PTX."""
+    packed, state = nf4h.quantize((4096, 2048), dtype, 64, True, device=CUDA,
+                                  seed=nf4h.case_seed("gpu-compile-kernel", dtype, with_out, ftz))
+    expect = nf4.dequantize(packed, state, ftz=ftz)
+    buf = torch.empty(4096, 2048, dtype=dtype, device=CUDA) if with_out else None
+
+    def fn(p):
+        return nf4.dequantize(p, state, out=buf, ftz=ftz)
+
+    _, got, code = _compiled_code(fn, packed)
+    assert KERNEL in code and "dequantize_opaque" not in code, code[-3000:]
+    assert_bitexact(got, expect, name="compiled vs eager")
+    if with_out:
+        assert got.data_ptr() == buf.data_ptr()
+    if ftz:
+        assert_bitexact(got, _bnb(packed, state), name="compiled vs bitsandbytes")
+    else:
+        assert_bitexact(got, nf4h.reference_dequant(packed, state, ftz=False), name="compiled vs reference (IEEE)")
+
+
+def test_torch_compile_packed_alignment(nf4h):
+    """The traced launch takes the word path where the packed tensor's storage offset keeps it 16-byte aligned: a
+    graph traced on an aligned weight, then called with the weight at +1, +4 and +16 bytes (Inductor copies a graph
+    input it assumed aligned that arrives misaligned), and graphs traced at +1 and +4 (the byte path): all exact."""
+    shape = (333, 129)
+    packed, state = nf4h.quantize(shape, torch.bfloat16, 64, True, device=CUDA, seed=nf4h.case_seed("gpu-compile-al"))
+    expect = _bnb(packed, state)
+
+    def at(offset):
+        buf = torch.zeros(packed.numel() + 32, dtype=torch.uint8, device=CUDA)
+        view = buf[offset : offset + packed.numel()].view(-1, 1)
+        view.copy_(packed)
+        return view
+
+    def fn(p):
+        return nf4.dequantize(p, state)
+
+    compiled, got, code = _compiled_code(fn, at(0))
+    assert KERNEL in code
+    assert_bitexact(got, expect, name="traced and called at +0")
+    for offset in (1, 4, 16):
+        assert_bitexact(compiled(at(offset)), expect, name=f"traced at +0, called at +{offset}")
+    for offset in (1, 4):
+        compiled, got, _ = _compiled_code(fn, at(offset))
+        assert_bitexact(got, expect, name=f"traced at +{offset}")
+        assert_bitexact(compiled(at(0)), expect, name=f"traced at +{offset}, called at +0")
+    torch._dynamo.reset()
+
+
+def test_torch_compile_patched_linear4bit_forward(nf4h):
+    """Inference through a Linear4bit with nf4 patched in, compiled fullgraph by Inductor: 2048 rows send bitsandbytes'
+    gemm_4bit op to its dequantize + linear fallback, which nf4 computes. That runs inside bitsandbytes' op, which
+    torch.compile keeps opaque, so Inductor's code calls gemm_4bit and not nf4's kernel; bit-identical to eager."""
+    from nf4.integrations.bitsandbytes import reset_routed_counts, routed_counts
+
+    layer = _layer(nf4h, "compile-patched-forward", in_features=256, out_features=96)
+    x = nf4h.make_weight((2048, 256), torch.bfloat16, nf4h.case_seed("compile-patched-forward-x"), CUDA)
+    with torch.no_grad():
+        unpatched = layer(x)
+        with nf4.patched_bitsandbytes():
+            eager = layer(x)
+            reset_routed_counts()
+            _, got, code = _compiled_code(layer, x)
+            counts = routed_counts()
+    torch._dynamo.reset()
+    assert counts.get(("_dequant_linear_fallback", "nf4"), 0) >= 1, counts
+    assert "gemm_4bit" in code
+    assert_bitexact(got, eager, name="compiled vs eager (patched)")
+    assert_bitexact(got, unpatched, name="compiled (patched) vs bitsandbytes alone")
+
+
+def test_torch_compile_patched_linear4bit_backward_launches_the_kernel(nf4h, monkeypatch):
+    """A training step through a Linear4bit with nf4 patched in, forward and backward compiled fullgraph by Inductor:
+    MatMul4Bit.backward's dequantize_4bit is nf4's triton_op, so Inductor's backward code launches nf4's kernel; the
+    output and the input gradient are eager's bit for bit. The routed-call count is skipped: it is a side effect that
+    Dynamo refuses inside an autograd.Function (tests/nf4/dequant/test_compile.py has the strict xfail)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from nf4.integrations import bitsandbytes as integration
+
+    monkeypatch.setattr(integration, "_count", lambda function, route: None)
+    layer = _layer(nf4h, "compile-patched-train", in_features=256, out_features=96).train()
+    seed = nf4h.case_seed("compile-patched-train-x")
+    x0 = nf4h.make_weight((64, 256), torch.bfloat16, seed, CUDA)
+    dy = nf4h.make_weight((64, 96), torch.bfloat16, seed + 1, CUDA)
+
+    def step(f):
+        x = x0.clone().requires_grad_(True)
+        y = f(x)
+        y.backward(dy)
+        return y.detach(), x.grad
+
+    torch._dynamo.reset()
+    try:
+        with nf4.patched_bitsandbytes():
+            y0, g0 = step(layer)
+            compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+            (y1, g1), codes = run_and_get_code(step, compiled)
+    finally:
+        torch._dynamo.reset()
+    assert any(KERNEL in code for code in codes), "nf4's kernel is not in Inductor's code"
+    assert_bitexact(y1, y0, name="compiled output")
+    assert_bitexact(g1, g0, name="compiled input gradient")
+
+
+def test_torch_compile_linear_dequant_path_launches_the_kernel(nf4h):
+    """nf4.linear compiled at a row count whose tuned path on this GPU is nf4.dequantize + cuBLAS: the nf4::linear
+    triton_op launches the dequantize kernel with wrap_triton too, so it is in Inductor's code; eager's bits."""
+    from nf4.linear import config as linear_config
+
+    name = torch.cuda.get_device_name()
+    m = next((m for m in (16, 64, 256, 1024) if linear_config.tuned(name, m).path == "dequant"), None)
+    if m is None:
+        pytest.skip(f"no tuned row of {name} takes the dequant path")
+    packed, qs = nf4h.quantize((333, 512), torch.bfloat16, 64, True, device=CUDA,
+                               seed=nf4h.case_seed("gpu-compile-linear-dequant", m))
+    x = nf4h.make_weight((m, 512), torch.bfloat16, nf4h.case_seed("gpu-compile-linear-dequant-x", m), CUDA)
+
+    def fn(x):
+        return nf4.linear(x, packed, qs)
+
+    expect = fn(x)
+    _, got, code = _compiled_code(fn, x)
+    torch._dynamo.reset()
+    assert KERNEL in code
+    assert_bitexact(got, expect, name=f"compiled vs eager, M={m}")
 
 
 @pytest.mark.parametrize("lead", [0, 1, 3, 8])
