@@ -25,7 +25,7 @@ import triton
 from .. import runtime
 from ..dequant.api import _check_state, _dummy, _unpack_module, code_table
 from ..dequant.api import dequantize as _dequantize
-from .config import LinearConfig, tuned
+from .config import FALLBACK, LinearConfig, tuned
 from .kernel import nf4_gemm_kernel, nf4_gemv_kernel, nf4_gemv_table_kernel, nf4_split_sum_kernel
 
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -212,7 +212,35 @@ def table_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, half: int, 
     # (results/linear/gpu_tests_h100.txt), so the compiled graph takes the codebook-0 GEMV.
     from torch._subclasses.fake_tensor import is_fake
 
-    return m <= 4 and w.dtype == x_dtype and not is_fake(packed) and _aligned(packed, 4) and half % 16 == 0
+    return (m <= 4 and w.dtype == x_dtype and not is_fake(packed) and _packs_16bit(packed.device)
+            and _aligned(packed, 4) and half % 16 == 0)
+
+
+_capabilities: dict[int, bool] = {}
+
+
+def _packs_16bit(device: torch.device) -> bool:
+    """Whether the word GEMV's PTX (cvt.rn.{f16,bf16}x2.f32: sm_80 and later) can run on `device`: a CUDA
+    device of compute capability 8.0 or more, or Triton's interpreter (no PTX); not the meta device, which the
+    offline sm_75 builds (experiments sm75) launch on."""
+    if device.type == "cuda":
+        ok = _capabilities.get(device.index)
+        if ok is None:
+            ok = _capabilities[device.index] = torch.cuda.get_device_capability(device) >= (8, 0)
+        return ok
+    return device.type != "meta"
+
+
+def launch_config(config: LinearConfig, w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, m: int,
+                  trans: bool) -> LinearConfig:
+    """The config to launch: a codebook-3 GEMV where the word GEMV cannot run (`table_ok`) becomes its tuned
+    fallback (config.FALLBACK) or the same shape with codebook 0. Callers pass the result to both `split_k`
+    and `kernel_args`."""
+    if config.path == "gemv" and config.codebook == 3 and not trans:
+        half = min(w.blocksize // 2, config.step_bytes)
+        if not table_ok(w, x_dtype, packed, half, m):
+            return FALLBACK.get(config) or config.with_(codebook=0)
+    return config
 
 
 def _aligned(t: torch.Tensor, size: int) -> bool:
@@ -294,6 +322,7 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
             else:
                 finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr(), bias.data_ptr())
         return out.reshape(*lead, n_out)
+    config = launch_config(config, w, x.dtype, packed, m, trans)
     split, _ = split_k(config, w, m, trans, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
     launches = kernel_args(x2, packed, w, bias, out, m, trans, config, ftz, interpreting, part)

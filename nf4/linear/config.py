@@ -93,9 +93,14 @@ class LinearConfig:
 # backward stays available as LinearConfig(path="gemm") and is tested operand-exact.
 GEMV = LinearConfig(path="gemv", block_r=32, num_warps=2, codebook=0, programs_per_sm=16)
 # The word GEMV with a product table per absmax block (codebook 3; M <= 4, W dtype == x dtype): H100 sweeps at
-# fa8a542 and 2c50c38 (results/linear/tuning/sweep_table*_h100.json), 14336x4096 bf16 M=1 32.0-33.3 us against
-# 43.9-44.2 for GEMV above, and the fastest nf4 config at M = 1, 2, 4 on the three bar weights.
-GEMV_TABLE = LinearConfig(path="gemv", block_r=128, num_warps=2, codebook=3, programs_per_sm=16)
+# fa8a542, 2c50c38 and 3968eae (results/linear/tuning/sweep_table*_h100.json, sweep_small_h100.json): 14336x4096
+# bf16 M=1 32.0-33.8 us against 43.9-44.2 for GEMV above; block_r 64 is within 5 % of the best shape on the
+# large weights and the best on 4096x4096 (16.6 us against 20.3 for block_r 128).
+GEMV_TABLE = LinearConfig(path="gemv", block_r=64, num_warps=2, codebook=3, programs_per_sm=16)
+# What a tuned row runs where the word GEMV cannot (W dtype != x dtype, M > 4, misaligned packed bytes, a GPU
+# before sm_80, torch.compile's trace): the codebook-0 GEMV with its own shape (nf4.linear.api.launch_config).
+# Any other codebook-3 config keeps its shape with codebook 0.
+FALLBACK = {GEMV_TABLE: GEMV}
 GEMM_SMALL = LinearConfig(path="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
                           codebook=0)
 GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=1, codebook=0)

@@ -48,6 +48,7 @@ def launch(x: torch.Tensor, packed, quant_state, out: torch.Tensor, config: Line
     if config.path == "dequant":
         wt = nf4.dequantize(packed, quant_state, ftz=ftz).to(x.dtype)
         return torch.matmul(x, wt if trans else wt.t(), out=out)
+    config = linear_api.launch_config(config, w, x.dtype, packed, m, trans)
     if meta and config.path == "gemv" and not trans and config.split_k == 0:
         want = config.programs_per_sm * T4_SMS
         config = config.with_(split_k=triton.cdiv(want, triton.cdiv(w.N, config.block_r)))

@@ -611,7 +611,9 @@ def test_linear4bit_cuda_gemm_route(nf4h):
     x = nf4h.make_weight((m_route, 256), torch.bfloat16, seed + 2, "cuda")
     assert routes_gemm_4bit(name, m_route)
     with torch.no_grad():
-        expect = torch.nn.functional.linear(x, F.dequantize_4bit(layer.weight, layer.weight.quant_state).to(x.dtype))
+        # the layer has a bias (float32, cast to x's dtype by Linear4bit.forward)
+        expect = torch.nn.functional.linear(x, F.dequantize_4bit(layer.weight, layer.weight.quant_state).to(x.dtype),
+                                            layer.bias.to(x.dtype))
         reset_routed_counts()
         with nf4.patched_bitsandbytes():
             got = layer(x)
