@@ -25,9 +25,25 @@ from __future__ import annotations
 
 import torch
 
-from .dequant.api import _interpreter_on, kernel_launch, launch, traced_tables, tuned_config
+from .dequant.api import _dummy, _interpreter_on, code_table, kernel_launch, launch, traced_tables, tuned_config
 
 # --- nf4.dequantize -------------------------------------------------------------------------------
+
+
+@torch.compiler.assume_constant_result
+def fill_tables(device: torch.device) -> None:
+    """Fill nf4.dequant.api's level tables and stand-in for `device` (nf4.dequant.api.traced_tables).
+
+    torch.compile calls this instead of tracing it, so the caches are filled before the trace reads them.
+    Traced, a cold cache would be filled by the graph: a side effect that Dynamo refuses inside an
+    autograd.Function (bitsandbytes' MatMul4Bit.backward dequantizes there), and the pair table would be
+    built through torch._numpy, which has no uint64 shifts. It lives here, not in nf4.dequant.api, because
+    the decorator imports torch._dynamo, which `import nf4` must not load.
+    """
+    code_table(device, 0)
+    code_table(device, 2)
+    _dummy(device)
+
 
 
 @torch.library.custom_op("nf4::dequantize_opaque", mutates_args=("out",))

@@ -195,23 +195,12 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return t
 
 
-@torch.compiler.assume_constant_result
-def _fill_tables(device: torch.device) -> None:
-    code_table(device, 0)
-    code_table(device, 2)
-    _dummy(device)
-
-
 def traced_tables(device: torch.device) -> tuple:
     """(code_table(device, 0), code_table(device, 2), the stand-in for absent tensors), for code that
-    torch.compile traces (nf4.ops passes them to its ops as inputs).
+    torch.compile traces (nf4.ops passes them to its ops as inputs); see nf4.ops.fill_tables."""
+    from ..ops import fill_tables  # nf4.ops is imported only when compiling (it imports torch._dynamo)
 
-    torch.compile calls `_fill_tables` instead of tracing it, so the caches are filled before the trace
-    reads them. Traced, a cold cache would be filled by the graph: a side effect that Dynamo refuses
-    inside an autograd.Function (bitsandbytes' MatMul4Bit.backward dequantizes there), and the pair
-    table would be built through torch._numpy, which has no uint64 shifts.
-    """
-    _fill_tables(device)
+    fill_tables(device)
     return _code_cache[(device, False)], _code_cache[(device, True)], _dummy_cache[device]
 
 
