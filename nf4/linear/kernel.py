@@ -240,16 +240,31 @@ def _fma_pair(w_pair, x_pair, acc, X_DT: tl.constexpr):
 
 
 @triton.jit
-def _store_row(y_acc, part_ptr, out_ptr, bias_ptr, rows, row_ok, m, M, N, pid_k, PARTIAL: tl.constexpr,
-               HAS_BIAS: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
-    y = tl.sum(y_acc, axis=1)  # [BLOCK_R]
+def _fma_rows(p0, p1, p2, p3, xw, x0, x1, x2, x3, acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr,
+              X_DT: tl.constexpr):
+    """`_fma_word` for each of the BLOCK_M (1, 2 or 4) rows of x (row pointers x0..x3) into its accumulator."""
+    acc0 = _fma_word(p0, p1, p2, p3, x0, xw, acc0, X_DT)
+    if BLOCK_M > 1:
+        acc1 = _fma_word(p0, p1, p2, p3, x1, xw, acc1, X_DT)
+    if BLOCK_M > 2:
+        acc2 = _fma_word(p0, p1, p2, p3, x2, xw, acc2, X_DT)
+        acc3 = _fma_word(p0, p1, p2, p3, x3, xw, acc3, X_DT)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_row(acc, ptr, bias_ptr, rows, row_ok, m, M, N, pid_k, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+               X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
+    """Row m of the result from its lanes [BLOCK_R, 4]: float32 partials [SPLIT, M, N] at ptr (PARTIAL), else
+    (+ bias) rounded once into out [M, N] at ptr."""
+    y = tl.sum(acc, axis=1)  # [BLOCK_R]
     ok = row_ok & ((rows * 0 + m) < M)
     if PARTIAL:
-        tl.store(part_ptr + (pid_k * M + m) * N + rows, y, mask=ok)
+        tl.store(ptr + (pid_k * M + m) * N + rows, y, mask=ok)
     else:
         if HAS_BIAS:
             y = y + widen(tl.load(bias_ptr + rows, mask=row_ok, other=0.0), BF16_BITS)
-        tl.store(out_ptr + m * N + rows, round_to(y, X_DT, BF16_BITS), mask=ok)
+        tl.store(ptr + m * N + rows, round_to(y, X_DT, BF16_BITS), mask=ok)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT"])
@@ -312,33 +327,21 @@ def nf4_gemv_table_kernel(
         else:
             p0, p1, p2, p3 = _word_pairs(word0, absmax, code_ptr, FTZ, X_DT, BF16_BITS)
         xw = c0 + 4 * wi  # x's pair for byte 0 of each word
-        acc0 = _fma_word(p0, p1, p2, p3, xw_ptr, xw, acc0, X_DT)
-        if BLOCK_M > 1:
-            acc1 = _fma_word(p0, p1, p2, p3, x1, xw, acc1, X_DT)
-        if BLOCK_M > 2:
-            acc2 = _fma_word(p0, p1, p2, p3, x2, xw, acc2, X_DT)
-            acc3 = _fma_word(p0, p1, p2, p3, x3, xw, acc3, X_DT)
+        acc0, acc1, acc2, acc3 = _fma_rows(p0, p1, p2, p3, xw, xw_ptr, x1, x2, x3, acc0, acc1, acc2, acc3, BLOCK_M,
+                                           X_DT)
         if NSUB == 2:
             if ASM:
                 p0, p1, p2, p3 = table_pairs(word1, t0, t1, t2, t3, t4, t5, t6, t7)
             else:
                 p0, p1, p2, p3 = _word_pairs(word1, absmax, code_ptr, FTZ, X_DT, BF16_BITS)
-            xw = xw + 16
-            acc0 = _fma_word(p0, p1, p2, p3, xw_ptr, xw, acc0, X_DT)
-            if BLOCK_M > 1:
-                acc1 = _fma_word(p0, p1, p2, p3, x1, xw, acc1, X_DT)
-            if BLOCK_M > 2:
-                acc2 = _fma_word(p0, p1, p2, p3, x2, xw, acc2, X_DT)
-                acc3 = _fma_word(p0, p1, p2, p3, x3, xw, acc3, X_DT)
-    _store_row(acc0, out_ptr, out_ptr, bias_ptr, rows, row_ok, 0, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+            acc0, acc1, acc2, acc3 = _fma_rows(p0, p1, p2, p3, xw + 16, xw_ptr, x1, x2, x3, acc0, acc1, acc2, acc3,
+                                               BLOCK_M, X_DT)
+    _store_row(acc0, out_ptr, bias_ptr, rows, row_ok, 0, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
     if BLOCK_M > 1:
-        _store_row(acc1, out_ptr, out_ptr, bias_ptr, rows, row_ok, 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT,
-                   BF16_BITS)
+        _store_row(acc1, out_ptr, bias_ptr, rows, row_ok, 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
     if BLOCK_M > 2:
-        _store_row(acc2, out_ptr, out_ptr, bias_ptr, rows, row_ok, 2, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT,
-                   BF16_BITS)
-        _store_row(acc3, out_ptr, out_ptr, bias_ptr, rows, row_ok, 3, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT,
-                   BF16_BITS)
+        _store_row(acc2, out_ptr, bias_ptr, rows, row_ok, 2, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+        _store_row(acc3, out_ptr, bias_ptr, rows, row_ok, 3, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
 
 
 @triton.jit
