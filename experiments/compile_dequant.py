@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 
 import torch
@@ -176,8 +175,7 @@ def main(argv=None) -> int:
     for text in args.shapes:
         rows += bench_case(*parse_case(text), provs, reps=args.reps)
     payload = {"env": env, "blocksize": 64, "double_quant": True, "ftz": True, "rows": rows}
-    slug = re.sub(r"[^a-z0-9]+", "_", env["device"].lower()).strip("_")
-    path = timing.write_json(args.out or f"build/compile_dequant_{slug}.json", payload)
+    path = timing.write_json(args.out or f"build/compile_dequant_{timing.device_slug(env['device'])}.json", payload)
     print(f"\nwrote {path}\n{table(payload)}")
     return 1 if any(not r.get("bitexact") for r in rows) else 0
 

@@ -65,7 +65,6 @@ import datetime
 import gc
 import os
 import pickle
-import re
 import socket
 import sys
 import tempfile
@@ -149,8 +148,9 @@ def failed(payload: dict) -> list[str]:
 
 def default_out(device_name: str, world: int) -> str:
     """build/fsdp_qlora_<device>_x<world>.json (the device in lower case, other runs of characters as '_')."""
-    slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") or "device"
-    return f"build/fsdp_qlora_{slug}_x{world}.json"
+    from verify.timing import device_slug
+
+    return f"build/fsdp_qlora_{device_slug(device_name)}_x{world}.json"
 
 
 def table(payload: dict) -> str:

@@ -162,8 +162,9 @@ def counts_delta(before: dict, after: dict) -> dict[str, int]:
 
 def default_out(device_name: str) -> str:
     """build/qlora_<gpu>.json, the device's name in lower case with every other run of characters an underscore."""
-    slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") or "device"
-    return f"build/qlora_{slug}.json"
+    from verify.timing import device_slug
+
+    return f"build/qlora_{device_slug(device_name)}.json"
 
 
 def missing_requirements(cuda_available: bool) -> list[str]:

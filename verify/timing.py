@@ -71,6 +71,13 @@ def environment() -> dict:
     return env
 
 
+def device_slug(device_name: str) -> str:
+    """A GPU's name for a file name: lower case, every other run of characters one underscore ("device" if empty)."""
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") or "device"
+
+
 def write_json(path: str | os.PathLike, payload: dict) -> Path:
     """Write a result file (pretty JSON, sorted keys) and return its path."""
     path = Path(path)

@@ -209,11 +209,11 @@ def table_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, half: int, 
     is x's, the packed bytes are 4-byte aligned and a step is whole words; otherwise codebook 3 runs
     nf4_gemv_kernel with the 16-entry table (codebook 0)."""
     # Not while torch.compile traces nf4.ops' triton_op (FakeTensors): compiling it failed in the H100 GPU tests
-    # (results/linear/gpu_tests_h100.txt), so the compiled graph takes the codebook-0 GEMV.
+    # (results/linear/gpu_tests_h100_fb01a42.txt), so the compiled graph takes the codebook-0 GEMV.
     from torch._subclasses.fake_tensor import is_fake
 
     return (m <= 4 and w.dtype == x_dtype and not is_fake(packed) and _packs_16bit(packed.device)
-            and _aligned(packed, 4) and half % 16 == 0)
+            and packed.data_ptr() % 4 == 0 and half % 16 == 0)
 
 
 _capabilities: dict[int, bool] = {}
@@ -241,16 +241,6 @@ def launch_config(config: LinearConfig, w: _Weight, x_dtype: torch.dtype, packed
         if not table_ok(w, x_dtype, packed, half, m):
             return FALLBACK.get(config) or config.with_(codebook=0)
     return config
-
-
-def _aligned(t: torch.Tensor, size: int) -> bool:
-    """Whether t's data starts at a multiple of `size` bytes; for a tensor without data (torch.compile's
-    FakeTensors, traced by nf4.ops) its offset in its storage decides (storages are allocated aligned)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(t):
-        return t.storage_offset() * t.element_size() % size == 0
-    return t.data_ptr() % size == 0
 
 
 def _check_x(x, w: _Weight, trans: bool):
