@@ -231,7 +231,7 @@ def _table_asm(ftz: bool, dtype: str) -> str:
     lines += [f"cvt.rn.{dtype}x2.f32 q{i}, p{2 * i + 1}, p{2 * i};" for i in range(8)]
     lines += [f"prmt.b32 ${i}, q{2 * i}, q{2 * i + 1}, 0x6420;" for i in range(4)]  # low bytes
     lines += [f"prmt.b32 ${4 + i}, q{2 * i}, q{2 * i + 1}, 0x7531;" for i in range(4)]  # high bytes
-    return "\n".join([*lines, "}"])
+    return " ".join([*lines, "}"])
 
 
 def _lookup_half(src: str, out0: int) -> list[str]:
@@ -248,8 +248,8 @@ def _lookup_half(src: str, out0: int) -> list[str]:
     ]
 
 
-_LOOKUP_ASM = "\n".join(["{", ".reg .b32 i, u, s, l0, l1, h0, h1, l, h;", *_lookup_half("$4", 0),
-                         "shr.b32 s, $4, 16;", *_lookup_half("s", 2), "}"])
+_LOOKUP_ASM = " ".join(["{", ".reg .b32 i, u, s, l0, l1, h0, h1, l, h;", *_lookup_half("$4", 0),
+                        "shr.b32 s, $4, 16;", *_lookup_half("s", 2), "}"])
 _TABLE_ASM_BF16_FTZ = tl.constexpr(_table_asm(True, "bf16"))
 _TABLE_ASM_BF16 = tl.constexpr(_table_asm(False, "bf16"))
 _TABLE_ASM_F16_FTZ = tl.constexpr(_table_asm(True, "f16"))
@@ -287,3 +287,46 @@ def table_pairs(word, t0, t1, t2, t3, t4, t5, t6, t7):
     return tl.inline_asm_elementwise(LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                                      [word, t0, t1, t2, t3, t4, t5, t6, t7],
                                      dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
+
+
+# --- Tensor-core products for the GEMV (mma.sync m16n8k16, float32 accumulation) ----------------
+#
+# These helpers work on 1-D tensors of one element per thread (tl.arange(0, 32 * num_warps)): element i
+# lives in lane i % 32 of warp i // 32, so an `mma.sync` issued by the whole warp sees element i's
+# registers as lane i's fragment. GPU only (PTX); sm_80 or later.
+
+MMA_BF16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+                        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+MMA_F16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, "
+                       "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+LD_V4_STREAM = tl.constexpr("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];")
+LD_V4 = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
+
+
+@triton.jit
+def mma_16x8x16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, DT: tl.constexpr):
+    """D = A @ B + C for the warp's 16x16 A (row-major fragments a0..a3: pairs of 16-bit values), 16x8 B
+    (b0, b1) and 16x8 float32 C / D (c0..c3), as PTX's m16n8k16 fragments: lane 4g + t holds A rows g and
+    g + 8 at columns 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3), B rows 2t, 2t + 1 (b0) and 2t + 8,
+    2t + 9 (b1) of column g, and D rows g (d0, d1) and g + 8 (d2, d3) at columns 2t and 2t + 1.
+    DT: 1 float16, 2 bfloat16 operands."""
+    if DT == 2:
+        return tl.inline_asm_elementwise(MMA_BF16, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                                         [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(MMA_F16, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                                         [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def load_v4(ptr, STREAM: tl.constexpr):
+    """4 uint32 words from a 16-byte aligned pointer per element (one vector load; no mask: keep it in bounds).
+    STREAM: do not keep the line in L1 (data read once)."""
+    if STREAM:
+        return tl.inline_asm_elementwise(LD_V4_STREAM, "=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32,) * 4,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(LD_V4, "=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32,) * 4, is_pure=True,
+                                         pack=1)
