@@ -47,6 +47,11 @@ GEMV_GRID = [(32, 2, 2, 16), (64, 4, 2, 8), (64, 4, 2, 4), (32, 2, 2, 8), (16, 1
              # codebook 3: the word GEMV with a product table per absmax block (M <= 4)
              (256, 2, 3, 16), (256, 2, 3, 8), (128, 2, 3, 16), (128, 1, 3, 16), (256, 4, 3, 8), (64, 2, 3, 16),
              (512, 4, 3, 8), (128, 2, 3, 8)]
+# codebook 3 on tensor cores (mma.sync, M <= 8): (warps, bytes a lane decodes of each of its rows per step,
+# programs_per_sm); block_r is 16 * warps. At 76 registers (32-byte lanes) an H100 holds 6 programs of 4 warps
+# per multiprocessor, 12 of 2 and 3 of 8 (offline sm_90 build); 16-byte lanes take 68.
+MMA_GRID = [(2, 32, 12), (4, 32, 6), (8, 32, 3), (2, 16, 14), (4, 16, 7), (4, 32, 4), (4, 32, 12), (2, 32, 6),
+            (4, 32, 3)]
 # (block_m, block_n, block_k, warps, stages, swap, codebook); block_k is capped at the blocksize (64 here)
 GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128, 64, 4, 1, True, 2),
              (32, 64, 64, 4, 1, True, 2), (64, 64, 64, 4, 1, True, 2), (64, 128, 64, 4, 1, False, 2),
@@ -60,6 +65,8 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
     if m <= 8 and not backward:
         out += [LinearConfig(path="gemv", block_r=r, num_warps=w, codebook=cb, programs_per_sm=p)
                 for r, w, cb, p in GEMV_GRID]
+        out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w, num_warps=w, step_bytes=sb,
+                             programs_per_sm=p) for w, sb, p in MMA_GRID]
     top = max(16, triton_next_pow2(m))
     for bm, bn, bk, w, st, swap, cb in GEMM_GRID:
         if backward and swap:
@@ -202,7 +209,7 @@ def time_call(call, count):
 
 
 def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=False, log=print, save=None,
-                 with_peers=True, sweep_paths=("gemv", "gemm")):
+                 with_peers=True, sweep_paths=("gemv", "mma", "gemm")):
     """Rows for one weight at every M (`save(rows)` is called after each M: a cut-off run keeps them)."""
     import nf4
 
@@ -247,7 +254,7 @@ def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=Fa
             rows.append(row)
             log(_fmt(row))
         if sweep:
-            for config in [c for c in sweep_configs(m) if c.path in sweep_paths]:
+            for config in [c for c in sweep_configs(m) if ("mma" if c.mma else c.path) in sweep_paths]:
                 rows.append(_sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward=False))
         if backward and m >= 16:
             dys = [torch.randn((m, n), device="cuda", generator=gen).to(dtype) for _ in range(min(xcopies, 4))]
@@ -359,7 +366,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shapes", nargs="+", default=None, help="restrict --sweep/--backward to these shapes")
     ap.add_argument("--sweep-dtypes", nargs="+", default=["bf16"])
     ap.add_argument("--no-peers", action="store_true", help="only nf4's sweep rows (tuning runs)")
-    ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "gemm"], help="config families to sweep")
+    ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "mma", "gemm"],
+                    help="config families to sweep (gemv, mma: the tensor-core GEMV, gemm)")
     ap.add_argument("--out", default=os.path.join("build", "linear", "bench.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -195,7 +195,7 @@ def _linear(
         wt = wt.to(x.dtype)
         return x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    config = api.launch_config(config, w, x.dtype, packed, m, trans)
+    config = api.launch_config(config, w, x, packed, m, trans)
     split, _ = api.split_k(config, w, m, trans, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
     table = code_pairs if config.codebook == 2 else code

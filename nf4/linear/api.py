@@ -26,7 +26,13 @@ from .. import runtime
 from ..dequant.api import _check_state, _dummy, _unpack_module, code_table
 from ..dequant.api import dequantize as _dequantize
 from .config import FALLBACK, LinearConfig, tuned
-from .kernel import nf4_gemm_kernel, nf4_gemv_kernel, nf4_gemv_table_kernel, nf4_split_sum_kernel
+from .kernel import (
+    nf4_gemm_kernel,
+    nf4_gemv_kernel,
+    nf4_gemv_mma_kernel,
+    nf4_gemv_table_kernel,
+    nf4_split_sum_kernel,
+)
 
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _X_DTYPES = (torch.float16, torch.bfloat16)
@@ -134,18 +140,39 @@ def split_k(config: LinearConfig, w: _Weight, m: int, trans: bool, device) -> tu
     kb = w.K // 2
     if config.path != "gemv" or trans:
         return 1, kb
-    half = min(w.blocksize // 2, config.step_bytes)
-    steps = triton.cdiv(kb, half)
+    unit = gemv_step(config, w)
+    steps = triton.cdiv(kb, unit)
     split = config.split_k
-    if split == 0:  # auto: enough programs for config.programs_per_sm on every multiprocessor
+    if split == 0:  # auto: the fewest steps per program over waves of programs_per_sm per multiprocessor
         if runtime.interpreting(device):
             split = 1
         else:
-            want = config.programs_per_sm * runtime.sm_count(device)
-            split = triton.cdiv(want, triton.cdiv(w.N, config.block_r))
+            split = auto_split(triton.cdiv(w.N, config.block_r), steps,
+                               config.programs_per_sm * runtime.sm_count(device))
     split = max(1, min(split, steps))
-    seg = triton.cdiv(steps, split) * half
+    seg = triton.cdiv(steps, split) * unit
     return triton.cdiv(kb, seg), seg
+
+
+def gemv_step(config: LinearConfig, w: _Weight) -> int:
+    """Bytes of a row one GEMV forward step covers (a split's length is a whole number of them): one absmax
+    block at most; the tensor-core GEMV's step is 4 lanes' worth (4 * min(that, 32))."""
+    half = min(w.blocksize // 2, config.step_bytes)
+    return 4 * min(half, 32) if config.mma else half
+
+
+def auto_split(row_blocks: int, steps: int, capacity: int) -> int:
+    """Programs along K for `row_blocks` blocks of rows of `steps` steps each, when `capacity` programs run at
+    once: the split with the fewest (waves x steps per program), the smallest such split. Rounding the split
+    up to fill the GPU can add a second, almost empty wave (14336 rows of 64: 10 splits of 7 steps are 2240
+    programs, 1.06 waves of 2112 on an H100; 8 splits of 8 steps are one wave)."""
+    best, best_cost = 1, None
+    for split in range(1, min(steps, max(1, triton.cdiv(capacity, row_blocks))) + 1):
+        per = triton.cdiv(steps, split)
+        cost = triton.cdiv(row_blocks * triton.cdiv(steps, per), capacity) * per
+        if best_cost is None or cost < best_cost:
+            best, best_cost = split, cost
+    return best
 
 
 def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConfig, ftz: bool,
@@ -178,7 +205,12 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
         if trans:
             return [(nf4_gemv_kernel, (triton.cdiv(kb, half),), args, options)]
         kernel = nf4_gemv_kernel
-        if config.codebook == 3:
+        if config.mma and mma_ok(w, x, packed, half, m):
+            kernel = nf4_gemv_mma_kernel
+            for name in ("CODEBOOK", "W_DT", "TRANS", "ASM", "EVICT", "BLOCK_M", "BLOCK_R"):
+                del args[name]
+            args.update(THREADS=32 * config.num_warps, HALF=min(half, 32))
+        elif config.codebook == 3:
             if table_ok(w, x.dtype, packed, half, m):
                 kernel = nf4_gemv_table_kernel
                 for name in ("CODEBOOK", "W_DT", "TRANS"):
@@ -201,19 +233,38 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
     return [(nf4_gemm_kernel, grid, args, {"num_warps": config.num_warps, "num_stages": config.num_stages})]
 
 
-SUM_BLOCK = 1024
+SUM_BLOCK = 128  # one output per thread of 4 warps: the split sum is a few loads deep, spread wide
 
 
 def table_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, half: int, m: int) -> bool:
     """Whether codebook 3's GEMV (nf4_gemv_table_kernel) takes this product: at most 4 rows of x, W's dtype
     is x's, the packed bytes are 4-byte aligned and a step is whole words; otherwise codebook 3 runs
     nf4_gemv_kernel with the 16-entry table (codebook 0)."""
-    # Not while torch.compile traces nf4.ops' triton_op (FakeTensors): compiling it failed in the H100 GPU tests
-    # (results/linear/gpu_tests_h100_fb01a42.txt), so the compiled graph takes the codebook-0 GEMV.
+    return (m <= 4 and w.dtype == x_dtype and _packs_16bit(packed.device) and _aligned4(packed) and half % 16 == 0)
+
+
+def _aligned4(packed: torch.Tensor) -> bool:
+    return _aligned(packed, 4)
+
+
+def _aligned(t: torch.Tensor, n: int) -> bool:
+    """Whether the tensor's data start on an n-byte boundary. A FakeTensor (torch.compile's trace) has no data
+    pointer: its offset into the storage decides, as storages start aligned."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return (m <= 4 and w.dtype == x_dtype and not is_fake(packed) and _packs_16bit(packed.device)
-            and packed.data_ptr() % 4 == 0 and half % 16 == 0)
+    if is_fake(t):
+        return t.storage_offset() * t.element_size() % n == 0
+    return t.data_ptr() % n == 0
+
+
+def mma_ok(w: _Weight, x: torch.Tensor | None, packed: torch.Tensor, half: int, m: int) -> bool:
+    """Whether the tensor-core word GEMV (nf4_gemv_mma_kernel) takes this product: at most 8 rows of x (B's
+    columns), W's dtype is x's, a CUDA GPU of sm_80 or later (PTX mma.sync, cvt.rn.*x2), x contiguous and x and
+    the packed bytes 16-byte aligned (vector loads without masks), and every row a whole number of steps."""
+    half = min(half, 32)
+    return (x is not None and m <= 8 and w.dtype == x.dtype and packed.device.type == "cuda"
+            and _packs_16bit(packed.device) and half % 16 == 0 and (w.K // 2) % (4 * half) == 0
+            and x.is_contiguous() and _aligned(x, 16) and _aligned(packed, 16))
 
 
 _capabilities: dict[int, bool] = {}
@@ -231,14 +282,17 @@ def _packs_16bit(device: torch.device) -> bool:
     return device.type != "meta"
 
 
-def launch_config(config: LinearConfig, w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, m: int,
+def launch_config(config: LinearConfig, w: _Weight, x: torch.Tensor, packed: torch.Tensor, m: int,
                   trans: bool) -> LinearConfig:
-    """The config to launch: a codebook-3 GEMV where the word GEMV cannot run (`table_ok`) becomes its tuned
-    fallback (config.FALLBACK) or the same shape with codebook 0. Callers pass the result to both `split_k`
-    and `kernel_args`."""
+    """The config to launch: a tensor-core GEMV where it cannot run (`mma_ok`) and a codebook-3 GEMV where the
+    word GEMV cannot run (`table_ok`) become their tuned fallback (config.FALLBACK), else the same shape
+    without mma (block_r 16 * num_warps) or with codebook 0. Callers pass the result to both `split_k` and
+    `kernel_args`; x is the (M, K) operand the kernels read."""
     if config.path == "gemv" and config.codebook == 3 and not trans:
         half = min(w.blocksize // 2, config.step_bytes)
-        if not table_ok(w, x_dtype, packed, half, m):
+        if config.mma and not mma_ok(w, x, packed, half, m):
+            config = FALLBACK.get(config) or config.with_(mma=False)
+        if config.codebook == 3 and not config.mma and not table_ok(w, x.dtype, packed, half, m):
             return FALLBACK.get(config) or config.with_(codebook=0)
     return config
 
@@ -312,7 +366,7 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
             else:
                 finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr(), bias.data_ptr())
         return out.reshape(*lead, n_out)
-    config = launch_config(config, w, x.dtype, packed, m, trans)
+    config = launch_config(config, w, x2, packed, m, trans)
     split, _ = split_k(config, w, m, trans, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
     launches = kernel_args(x2, packed, w, bias, out, m, trans, config, ftz, interpreting, part)

@@ -48,6 +48,10 @@ class LinearConfig:
     # absmax block's 16 products in registers, looked up with prmt (nf4_gemv_table_kernel; where it cannot
     # run, and in the other kernels, codebook 3 means 0)
     codebook: int = 2
+    # codebook 3's GEMV with its products on tensor cores (nf4_gemv_mma_kernel: PTX mma.sync, M <= 8); a warp
+    # owns 16 rows of W, so block_r must be 16 * num_warps; step_bytes (16 or 32) is what one lane decodes of
+    # each of its two rows per step. Where it cannot run it falls back like codebook 3 (launch_config).
+    mma: bool = False
     evict: str = "evict_first"  # eviction policy of the packed bytes (read once per x tile)
     bf16_bits: bool = False  # round to bfloat16 with integer ops on the GPU too (the interpreter always does)
     plan: bool = True  # remember validated calls (the cheap repeat call)
@@ -61,7 +65,7 @@ class LinearConfig:
         for name in ("split_k", "programs_per_sm", "num_stages", "num_warps", "codebook"):
             if type(getattr(self, name)) is not int:
                 raise TypeError(f"LinearConfig.{name} must be an int, got {getattr(self, name)!r}")
-        for name in ("swap", "bf16_bits", "plan"):
+        for name in ("swap", "bf16_bits", "plan", "mma"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LinearConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.split_k < 0 or self.programs_per_sm < 1:
@@ -76,6 +80,11 @@ class LinearConfig:
             raise ValueError(f"LinearConfig.num_warps must be a power of two up to 16, got {self.num_warps}")
         if self.codebook not in (0, 1, 2, 3):
             raise ValueError(f"LinearConfig.codebook must be 0, 1, 2 or 3, got {self.codebook}")
+        if self.mma and (self.path != "gemv" or self.codebook != 3):
+            raise ValueError(f"LinearConfig.mma needs path='gemv' and codebook=3, got {self.path!r}, {self.codebook}")
+        if self.mma and self.block_r != 16 * self.num_warps:
+            raise ValueError(f"LinearConfig.block_r must be 16 * num_warps = {16 * self.num_warps} with mma=True "
+                             f"(a warp owns 16 rows), got {self.block_r}")
 
     def with_(self, **changes) -> LinearConfig:
         """A copy with some fields changed."""
@@ -97,10 +106,16 @@ GEMV = LinearConfig(path="gemv", block_r=32, num_warps=2, codebook=0, programs_p
 # bf16 M=1 32.0-33.8 us against 43.9-44.2 for GEMV above; block_r 64 is within 5 % of the best shape on the
 # large weights and the best on 4096x4096 (16.6 us against 20.3 for block_r 128).
 GEMV_TABLE = LinearConfig(path="gemv", block_r=64, num_warps=2, codebook=3, programs_per_sm=16)
+# The word GEMV on tensor cores (mma.sync m16n8k16): H100 sweep (results/linear/tuning/sweep_mma_h100.json, bf16,
+# 14336x4096 and 4096x14336): 23.5-24.4 us at M = 1-4 with 4 warps, 32-byte lanes and 12 programs per SM, against
+# 31.2-31.3 at M = 1 and 45.9-50.7 at M = 4 for GEMV_TABLE in the same run; at M = 8 16-byte lanes with 7 programs
+# per SM measured 25.7-26.1 us against 28.2-28.4.
+GEMV_MMA = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, step_bytes=32, programs_per_sm=12)
+GEMV_MMA8 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, step_bytes=16, programs_per_sm=7)
 # What a tuned row runs where the word GEMV cannot (W dtype != x dtype, M > 4, misaligned packed bytes, a GPU
 # before sm_80, torch.compile's trace): the codebook-0 GEMV with its own shape (nf4.linear.api.launch_config).
 # Any other codebook-3 config keeps its shape with codebook 0.
-FALLBACK = {GEMV_TABLE: GEMV}
+FALLBACK = {GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV}
 GEMM_SMALL = LinearConfig(path="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
                           codebook=0)
 GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=1, codebook=0)
@@ -109,7 +124,7 @@ DEQUANT = LinearConfig(path="dequant")
 Rows = tuple[tuple[int | None, LinearConfig], ...]
 TUNED: dict[str, dict[str, Rows]] = {
     "H100": {
-        "forward": ((4, GEMV_TABLE), (None, DEQUANT)),
+        "forward": ((4, GEMV_MMA), (8, GEMV_MMA8), (None, DEQUANT)),
         "backward": ((None, DEQUANT),),
     },
 }

@@ -38,7 +38,9 @@ import triton.language as tl
 from nf4.device import (
     absmax_of_block,
     high_nibble,
+    load_v4,
     low_nibble,
+    mma_16x8x16,
     mul,
     nf4_level,
     operand,
@@ -342,6 +344,141 @@ def nf4_gemv_table_kernel(
     if BLOCK_M > 2:
         _store_row(acc2, out_ptr, bias_ptr, rows, row_ok, 2, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
         _store_row(acc3, out_ptr, bias_ptr, rows, row_ok, 3, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+
+
+@triton.jit
+def _mma_word(wa, wb, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1, x2, x3,
+              acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT: tl.constexpr):
+    """Two mma.sync steps for one word of each of a thread's two rows (wa: row g, wb: row g + 8) and the
+    matching 4 pairs of x (x0..x3): pairs 0 and 1 as the thread's A columns 2t.. and 2t + 8.. of the first,
+    pairs 2 and 3 of the second, into the two accumulator sets (acc0..3, acc4..7)."""
+    pa0, pa1, pa2, pa3 = table_pairs(wa, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7)
+    pb0, pb1, pb2, pb3 = table_pairs(wb, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7)
+    acc0, acc1, acc2, acc3 = mma_16x8x16(pa0, pb0, pa1, pb1, x0, x1, acc0, acc1, acc2, acc3, X_DT)
+    acc4, acc5, acc6, acc7 = mma_16x8x16(pa2, pb2, pa3, pb3, x2, x3, acc4, acc5, acc6, acc7, X_DT)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _mma_tile(a0, a1, a2, a3, b0, b1, b2, b3, xp, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4,
+              tb5, tb6, tb7, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT: tl.constexpr):
+    """A lane's 16-byte tile of each of its rows (words a0..a3 of row g, b0..b3 of row g + 8) against x's 16
+    matching pairs at xp: 8 mma.sync steps."""
+    x0, x1, x2, x3 = load_v4(xp, False)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_word(
+        a0, b0, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
+        x0, x1, x2, x3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
+    x0, x1, x2, x3 = load_v4(xp + 4, False)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_word(
+        a1, b1, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
+        x0, x1, x2, x3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
+    x0, x1, x2, x3 = load_v4(xp + 8, False)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_word(
+        a2, b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
+        x0, x1, x2, x3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
+    x0, x1, x2, x3 = load_v4(xp + 12, False)
+    return _mma_word(a3, b3, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
+                     x0, x1, x2, x3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
+
+
+@triton.jit
+def _mma_store(y, ptr, bias_ptr, rows, m, M, N, pid_k, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+               X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
+    """One output per thread (W row `rows`, x row `m`): a float32 partial, or (+ bias) rounded once."""
+    ok = (rows < N) & (m < M)
+    if PARTIAL:
+        tl.store(ptr + (pid_k * M + m) * N + rows, y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y = y + widen(tl.load(bias_ptr + rows, mask=ok, other=0.0), BF16_BITS)
+        tl.store(ptr + m * N + rows, round_to(y, X_DT, BF16_BITS), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT"])
+def nf4_gemv_mma_kernel(
+    x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
+    M, N, K, KB,
+    BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr,
+    X_DT: tl.constexpr,  # x's dtype code, also the weight's (1 float16, 2 bfloat16)
+    HAS_BIAS: tl.constexpr,
+    THREADS: tl.constexpr,  # 32 * num_warps: every 1-D tensor here holds one element per thread
+    HALF: tl.constexpr,  # bytes of each of its two rows a thread decodes per step: 16 or 32 (<= BLOCKSIZE / 2)
+    SPLIT, SEG, PARTIAL: tl.constexpr, BF16_BITS: tl.constexpr,
+):
+    """The word GEMV (codebook 3's product table and prmt lookup) with its products on tensor cores:
+    x @ W^T for M <= 8 by PTX `mma.sync.m16n8k16` (float32 accumulation), split-K like nf4_gemv_kernel.
+    Each warp owns 16 rows of W; lane 4g + t decodes rows g and g + 8, bytes t * HALF .. (t + 1) * HALF of
+    each 4 * HALF-byte step. An mma's 16 columns of K are any 16 of the step, provided A's and B's agree:
+    the lane's own word pairs are its A columns 2t.. / 2t + 8.., and its B registers are x's pairs at
+    the same bytes, from row g of x (B's column g). D's lane 4g + t holds outputs (row g / g + 8, x row 2t /
+    2t + 1). Needs an sm_80+ GPU, 16-byte aligned x and packed bytes, K / 2 a multiple of 4 * HALF and
+    W's dtype == x's (the API checks them); GPU only (no PTX in Triton's interpreter)."""
+    NSUB: tl.constexpr = HALF // 16
+    STEP: tl.constexpr = 4 * HALF
+    words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    xw_ptr = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)  # x[m, 2j] and x[m, 2j + 1] as one word
+    KW = KB // 4
+    pid = tl.program_id(0)
+    pid_k = pid % SPLIT
+    i = tl.arange(0, THREADS)
+    lane = i % 32
+    g = lane // 4
+    t = lane % 4
+    row_a = (pid // SPLIT) * (THREADS // 2) + (i // 32) * 16 + g
+    row_b = row_a + 8
+    ra = tl.minimum(row_a, N - 1)  # rows past the weight decode its last row (their outputs are not stored)
+    rb = tl.minimum(row_b, N - 1)
+    wa = words_ptr + ra * KW
+    wb = words_ptr + rb * KW
+    xr = xw_ptr + tl.minimum(g, M - 1) * KB  # B's column g: x's row g (past M: row M - 1, not stored)
+    always = i >= 0
+    first = pid_k * SEG
+    end = tl.minimum(first + SEG, KB)
+    zero = tl.zeros((THREADS,), dtype=tl.float32)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = zero, zero, zero, zero, zero, zero, zero, zero
+    # the first step's words and absmax; each step then requests the next step's before decoding its own
+    # (the last step re-reads itself: in bounds, unused)
+    j = first + t * HALF  # this lane's bytes of the step (one absmax block)
+    na0, na1, na2, na3 = load_v4(wa + j // 4, True)
+    nb0, nb1, nb2, nb3 = load_v4(wb + j // 4, True)
+    na4, na5, na6, na7 = na0, na1, na2, na3
+    nb4, nb5, nb6, nb7 = nb0, nb1, nb2, nb3
+    if NSUB == 2:
+        na4, na5, na6, na7 = load_v4(wa + j // 4 + 4, True)
+        nb4, nb5, nb6, nb7 = load_v4(wb + j // 4 + 4, True)
+    next_a = absmax_of_block((ra * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
+                             offset_ptr, DOUBLE_QUANT, FTZ, True)
+    next_b = absmax_of_block((rb * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
+                             offset_ptr, DOUBLE_QUANT, FTZ, True)
+    for c0 in range(first, end, STEP):
+        j = c0 + t * HALF
+        a0, a1, a2, a3, a4, a5, a6, a7 = na0, na1, na2, na3, na4, na5, na6, na7
+        b0, b1, b2, b3, b4, b5, b6, b7 = nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7
+        amax_a, amax_b = next_a, next_b
+        jn = tl.minimum(c0 + STEP, end - STEP) + t * HALF
+        na0, na1, na2, na3 = load_v4(wa + jn // 4, True)
+        nb0, nb1, nb2, nb3 = load_v4(wb + jn // 4, True)
+        if NSUB == 2:
+            na4, na5, na6, na7 = load_v4(wa + jn // 4 + 4, True)
+            nb4, nb5, nb6, nb7 = load_v4(wb + jn // 4 + 4, True)
+        next_a = absmax_of_block((ra * KB + jn) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
+                                 offset_ptr, DOUBLE_QUANT, FTZ, True)
+        next_b = absmax_of_block((rb * KB + jn) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
+                                 offset_ptr, DOUBLE_QUANT, FTZ, True)
+        ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = product_table(amax_a, FTZ, X_DT)
+        tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b, FTZ, X_DT)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_tile(
+            a0, a1, a2, a3, b0, b1, b2, b3, xr + j, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7,
+            tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
+        if NSUB == 2:
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_tile(
+                a4, a5, a6, a7, b4, b5, b6, b7, xr + j + 16, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7,
+                tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
+    m = 2 * t
+    _mma_store(acc0 + acc4, out_ptr, bias_ptr, row_a, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(acc1 + acc5, out_ptr, bias_ptr, row_a, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(acc2 + acc6, out_ptr, bias_ptr, row_b, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(acc3 + acc7, out_ptr, bias_ptr, row_b, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ scratch weight, then cuBLAS (`torch.matmul(x, W^T, out=out)`, what F.linear runs
 
 On meta tensors (recording for the offline sm_75 compile) the launches are built as on a GPU
 (ASM on, DOT_F32 off, the table's GPU rows) for a T4: the auto split-K of the GEMV is resolved
-with the T4's 40 multiprocessors, the way nf4.linear.api.split_k resolves it on a device.
+with the T4's 40 multiprocessors, the way nf4.linear.api.split_k resolves it on a device (auto_split).
 """
 
 from __future__ import annotations
@@ -30,13 +30,20 @@ T4_SMS = 40
 
 
 def launch(x: torch.Tensor, packed, quant_state, out: torch.Tensor, config: LinearConfig | None, *, ftz: bool,
-           trans: bool = False, max_rows: int | None = None) -> torch.Tensor:
+           trans: bool = False, max_rows: int | None = None, expect=None) -> torch.Tensor:
     """out = x @ W^T (trans: x @ W) by the launches of `config` (None: the tuned table's); returns out.
 
-    max_rows: launch for slices of at most this many rows of x (the GEMV family, see l01_gemv.py)."""
+    max_rows: launch for slices of at most this many rows of x (the GEMV family, see l01_gemv.py).
+    expect: the kernel the (first) launch must be, else RuntimeError before anything is launched:
+    `api.launch_config` turns a tensor-core GEMV into the word GEMV where mma cannot run (Triton's
+    interpreter, M > 8, unaligned x or packed bytes, K / 2 not whole steps) and a codebook-3 GEMV into the
+    codebook-0 one where the word GEMV cannot run (M > 4, W dtype != x dtype, unaligned packed bytes, before
+    sm_80, the meta device), and a variant must not check or time another kernel under its name
+    (l06_gemv_word_table.py, l30_gemv_mma.py)."""
     if max_rows is not None and x.shape[0] > max_rows:
         for i in range(0, x.shape[0], max_rows):
-            launch(x[i:i + max_rows], packed, quant_state, out[i:i + max_rows], config, ftz=ftz, trans=trans)
+            launch(x[i:i + max_rows], packed, quant_state, out[i:i + max_rows], config, ftz=ftz, trans=trans,
+                   expect=expect)
         return out
     w = linear_api.weight_state(packed, quant_state)  # the validated state kernel_args takes
     m = x.shape[0]
@@ -48,22 +55,26 @@ def launch(x: torch.Tensor, packed, quant_state, out: torch.Tensor, config: Line
     if config.path == "dequant":
         wt = nf4.dequantize(packed, quant_state, ftz=ftz).to(x.dtype)
         return torch.matmul(x, wt if trans else wt.t(), out=out)
-    config = linear_api.launch_config(config, w, x.dtype, packed, m, trans)
+    config = linear_api.launch_config(config, w, x, packed, m, trans)
     if meta and config.path == "gemv" and not trans and config.split_k == 0:
-        want = config.programs_per_sm * T4_SMS
-        config = config.with_(split_k=triton.cdiv(want, triton.cdiv(w.N, config.block_r)))
+        steps = triton.cdiv(w.K // 2, linear_api.gemv_step(config, w))
+        config = config.with_(split_k=linear_api.auto_split(triton.cdiv(w.N, config.block_r), steps,
+                                                            config.programs_per_sm * T4_SMS))
     split, _ = linear_api.split_k(config, w, m, trans, x.device)
     part = torch.empty(split * m * out.shape[1], dtype=torch.float32, device=x.device) if split > 1 else None
-    for fn, grid, args, options in linear_api.kernel_args(x, packed, w, None, out, m, trans, config, ftz,
-                                                          interpreting, part):
+    launches = linear_api.kernel_args(x, packed, w, None, out, m, trans, config, ftz, interpreting, part)
+    if expect is not None and launches[0][0] is not expect:
+        raise RuntimeError(f"{expect.__name__} cannot run for this product (M = {m}, W {w.dtype}, x {x.dtype}, "
+                           f"{x.device}); nf4.linear would launch {launches[0][0].__name__} instead")
+    for fn, grid, args, options in launches:
         runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
     return out
 
 
-def launcher(config: LinearConfig | None, trans: bool = False, max_rows: int | None = None):
+def launcher(config: LinearConfig | None, trans: bool = False, max_rows: int | None = None, expect=None):
     """run(x, packed, quant_state, out, *, ftz) for one config (a registry launcher)."""
 
     def run(x, packed, quant_state, out, *, ftz):
-        return launch(x, packed, quant_state, out, config, ftz=ftz, trans=trans, max_rows=max_rows)
+        return launch(x, packed, quant_state, out, config, ftz=ftz, trans=trans, max_rows=max_rows, expect=expect)
 
     return run

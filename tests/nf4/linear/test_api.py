@@ -369,21 +369,33 @@ def test_torch_compile_fullgraph_cpu(lin, case, m):
 def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
     """Codebook 3 (the word GEMV) runs for M <= 4 when W's dtype is x's and the packed bytes are 4-byte aligned;
     elsewhere the tuned row falls back to the codebook-0 GEMV with its own shape and any other codebook-3
-    config keeps its shape with codebook 0; the meta device (the offline sm_75 builds) never takes it."""
+    config keeps its shape with codebook 0; the meta device (the offline sm_75 builds) never takes it. The
+    tensor-core GEMV (mma) needs a CUDA GPU: here it falls back to the word GEMV, then as above."""
     from nf4.linear import api as linear_api
-    from nf4.linear.config import GEMV, GEMV_TABLE, LinearConfig
+    from nf4.linear.config import GEMV, GEMV_MMA, GEMV_MMA8, GEMV_TABLE, LinearConfig
 
     packed, qs = nf4h.quantize((40, 128), torch.bfloat16, 64, True, seed=nf4h.case_seed("launch-config"))
     w = linear_api.weight_state(packed, qs)
+
+    def x(m, dtype=torch.bfloat16):
+        return torch.empty((m, 128), dtype=dtype)
+
     mine = LinearConfig(path="gemv", codebook=3, block_r=16, num_warps=1)
-    assert linear_api.launch_config(GEMV_TABLE, w, torch.bfloat16, packed, 4, False) is GEMV_TABLE
-    assert linear_api.launch_config(GEMV_TABLE, w, torch.bfloat16, packed, 5, False) is GEMV
-    assert linear_api.launch_config(GEMV_TABLE, w, torch.float16, packed, 1, False) is GEMV
-    assert linear_api.launch_config(GEMV_TABLE, w, torch.bfloat16, packed, 1, True) is GEMV_TABLE  # backward: unused
-    assert linear_api.launch_config(mine, w, torch.float16, packed, 1, False) == mine.with_(codebook=0)
+    assert linear_api.launch_config(GEMV_TABLE, w, x(4), packed, 4, False) is GEMV_TABLE
+    assert linear_api.launch_config(GEMV_TABLE, w, x(5), packed, 5, False) is GEMV
+    assert linear_api.launch_config(GEMV_TABLE, w, x(1, torch.float16), packed, 1, False) is GEMV
+    assert linear_api.launch_config(GEMV_TABLE, w, x(1), packed, 1, True) is GEMV_TABLE  # backward: unused
+    assert linear_api.launch_config(mine, w, x(1, torch.float16), packed, 1, False) == mine.with_(codebook=0)
     flat = packed.reshape(-1)
     shifted = torch.empty(flat.numel() + 1, dtype=torch.uint8)[1:]
     shifted.copy_(flat)  # the same bytes one byte off alignment
-    assert linear_api.launch_config(GEMV_TABLE, w, torch.bfloat16, shifted.reshape(packed.shape), 1, False) is GEMV
+    assert linear_api.launch_config(GEMV_TABLE, w, x(1), shifted.reshape(packed.shape), 1, False) is GEMV
     meta = torch.empty(packed.shape, dtype=packed.dtype, device="meta")
-    assert linear_api.launch_config(GEMV_TABLE, w, torch.bfloat16, meta, 1, False) is GEMV
+    assert linear_api.launch_config(GEMV_TABLE, w, x(1), meta, 1, False) is GEMV
+    tc = LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2)
+    assert not linear_api.mma_ok(w, x(1), packed, 32, 1)  # a CPU tensor: no mma.sync
+    assert linear_api.launch_config(tc, w, x(1), packed, 1, False) == tc.with_(mma=False)
+    assert linear_api.launch_config(tc, w, x(5), packed, 5, False) == tc.with_(mma=False, codebook=0)
+    assert linear_api.launch_config(GEMV_MMA, w, x(1), packed, 1, False) is GEMV_TABLE  # the tuned rows' fallbacks
+    assert linear_api.launch_config(GEMV_MMA, w, x(1, torch.float16), packed, 1, False) is GEMV
+    assert linear_api.launch_config(GEMV_MMA8, w, x(8), packed, 8, False) is GEMV

@@ -41,6 +41,11 @@ if torch.cuda.is_available():
         "gemv-split3": (3, LinearConfig(path="gemv", split_k=3, step_bytes=16, codebook=1)),
         "gemv-table": (4, LinearConfig(path="gemv", codebook=3, block_r=128)),
         "gemv-table-M1": (1, LinearConfig(path="gemv", codebook=3, block_r=64, split_k=1)),
+        # the tensor-core word GEMV (mma.sync): M = 1, 5 (B columns past M) and 8 (all of B's columns)
+        "gemv-mma-M1": (1, LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4)),
+        "gemv-mma-M5": (5, LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, split_k=1,
+                                        step_bytes=16)),
+        "gemv-mma-M8": (8, LinearConfig(path="gemv", codebook=3, mma=True, block_r=128, num_warps=8, split_k=3)),
         "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
         "gemm-swap": (16, LinearConfig(path="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
         "dequant": (8, LinearConfig(path="dequant")),
@@ -101,6 +106,36 @@ def test_operand(nf4h, lin, shape, blocksize, dtype, double_quant):
     x = torch.randn(16, k, device=CUDA).to(dtype).requires_grad_()
     nf4.linear(x, packed, qs).backward(dy)
     assert_bitexact(x.grad, lin.picked(lin.operand(packed, qs, dtype), rows, scales, dtype), name="autograd x.grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_mma_gemv_is_what_runs(nf4h, dtype):
+    """The gemv-mma configs above launch nf4_gemv_mma_kernel (not a fallback) on the shapes whose rows are a
+    whole number of its steps, and fall back where they are not (K = 384 with 32-byte lanes) or where x is not
+    16-byte aligned: to the word GEMV up to M = 4, to the codebook-0 GEMV above."""
+    from nf4.linear import api as linear_api
+    from nf4.linear.kernel import nf4_gemv_kernel, nf4_gemv_mma_kernel, nf4_gemv_table_kernel
+
+    def kernel(shape, name, x=None):
+        m, config = FORWARD[name]
+        packed, qs = nf4h.quantize(shape, dtype, 64, True, seed=nf4h.case_seed("gpu-mma-runs", shape), device=CUDA)
+        w = _weight(packed, qs)
+        x = torch.zeros((m, shape[1]), dtype=dtype, device=CUDA) if x is None else x
+        out = torch.empty((m, shape[0]), dtype=dtype, device=CUDA)
+        config = linear_api.launch_config(config, w, x, packed, m, False)
+        split, _ = linear_api.split_k(config, w, m, False, x.device)
+        part = torch.empty(split * m * shape[0], dtype=torch.float32, device=CUDA)
+        return linear_api.kernel_args(x, packed, w, None, out, m, False, config, True, False, part)[0][0]
+
+    for shape in SHAPES[:3]:
+        for name in ("gemv-mma-M1", "gemv-mma-M5", "gemv-mma-M8"):
+            assert kernel(shape, name) is nf4_gemv_mma_kernel, (shape, name)
+    # K = 384: 192 bytes a row, whole 64-byte steps (16-byte lanes) but not whole 128-byte steps (32-byte lanes)
+    assert kernel((45, 384), "gemv-mma-M5") is nf4_gemv_mma_kernel
+    assert kernel((45, 384), "gemv-mma-M1") is nf4_gemv_table_kernel
+    assert kernel((45, 384), "gemv-mma-M8") is nf4_gemv_kernel  # M = 8: past the word GEMV too
+    shifted = torch.zeros(4 * 512 + 2, dtype=dtype, device=CUDA)[2:].view(4, 512)  # 4-byte, not 16-byte aligned
+    assert kernel((333, 512), "gemv-mma-M1", shifted[:1]) is nf4_gemv_table_kernel
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["wfp16", "wbf16", "wfp32"])
