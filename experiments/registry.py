@@ -47,6 +47,10 @@ class Variant:
     gpu_only: bool = False  # cannot run in Triton's interpreter (skipped there)
     host_timing: bool = False  # also record host time per call and the harness's wall clock
     spills_expected: bool = False  # known to spill registers (measured); tests assert it stays so
+    # The lowest CUDA compute capability (major * 10 + minor) its kernel builds for; 0: any. Above 75 the
+    # offline sm_75 compile records a row saying why (`not_built`: arch_reason) and builds nothing in its name.
+    min_arch: int = 0
+    arch_reason: str = ""  # what needs min_arch (e.g. an instruction of the kernel's PTX)
     note: str = ""  # caveats the result table should carry (e.g. what the interpreter cannot check)
     op: str = "dequant"  # the operation (experiments.ops) the variant implements: its package's name
     module: str = field(default="", compare=False)

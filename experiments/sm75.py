@@ -18,7 +18,9 @@ Other ops: the inputs are the variant's op's (`experiments.ops.<op>`): an op mod
 `meta_inputs(out_dtype)` (the variant's positional inputs, its output buffer last, on the meta
 device) and `SM75_WEIGHT` (what they describe); without them, the dequant defaults below. A launcher
 that issues several launches (split-K and its ordered sum) gets one row per launch, numbered in
-`launch`. Builds also count mma.sync and cp.async where present (tl.dot kernels).
+`launch`. Builds also count mma.sync and cp.async where present (tl.dot kernels). A variant whose
+kernel needs a later GPU (`Variant.min_arch` above 75: PTX that ptxas refuses for sm_75) gets one row
+per dtype with `not_built` (the reason) and no build: nothing is compiled in its name.
 
 Triton's interpreter must be off to compile, so `compile_in_child` runs this module as a child
 process (`python -m experiments.sm75`) without TRITON_INTERPRET.
@@ -39,12 +41,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
+TARGET_ARCH = 75  # GPUTarget("cuda", 75, 32): a Tesla T4
 SHAPE, BLOCKSIZE = (8192, 2048), 64
 DEVICE_NOTE = "sm_75 (Tesla T4) offline compile only: nothing was run on a T4"
 CSV_FIELDS = ["variant", "out_dtype", "device", "n_regs", "spill_stores", "spill_loads", "stack_bytes", "local_bytes",
               "static_shared_bytes", "shared_bytes", "num_warps", "enable_fp_fusion", "global_loads", "global_stores",
               "cache_hints", "fma", "mul_ftz", "prmt", "selp", "shared_ld", "shared_st", "bar_sync", "ptxas",
-              "triton", "kernel", "error"]
+              "triton", "kernel", "not_built", "error"]
 _WIDTH = {"8": 1, "16": 2, "32": 4, "64": 8, "128": 16}
 
 
@@ -217,7 +220,7 @@ def _build(task):
     try:
         src = triton.compiler.ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"],
                                         attrs=spec["attrs"])
-        compiled = triton.compile(src, target=GPUTarget("cuda", 75, 32), options=spec["options"])
+        compiled = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32), options=spec["options"])
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
         return key, result
@@ -250,6 +253,11 @@ def compile_variants(ids: list[str], dtypes=("float16", "bfloat16"), jobs: int =
         variant = registry.get(vid)
         for dt in dtypes:
             base = {"variant": vid, "out_dtype": dt, "device": DEVICE_NOTE, "spills_expected": variant.spills_expected}
+            if variant.min_arch > TARGET_ARCH:  # on meta tensors its launcher would record another kernel, if any
+                builds.append(dict(base, kernel=_kernel_ref(variant.kernel) if variant.kernel is not None else None,
+                                   not_built=f"needs sm_{variant.min_arch}+"
+                                   + (f": {variant.arch_reason}" if variant.arch_reason else "")))
+                continue
             try:
                 launches = recorded_launches(variant, getattr(torch, dt))
                 if not launches:
@@ -318,6 +326,9 @@ def table(result: dict) -> str:
     for b in result["builds"]:
         if b.get("error"):
             lines.append(f"| {b['variant']} | {b['out_dtype']} | error: {b['error'][:80]} |||||||| ")
+            continue
+        if b.get("not_built"):
+            lines.append(f"| {b['variant']} | {b['out_dtype']} | not built: {b['not_built'][:80]} |||||||| ")
             continue
 
         def short(forms):

@@ -7,28 +7,51 @@
   buffer, with `scales * W[:, cols] + 0.0` (backward: `scales * W[rows, :] + 0.0`) from
   `reference.dequantize_nf4(ftz=True)`.
 - The check has teeth: a wrong element, an unwritten element and a -0.0 for +0.0 are caught.
-- Offline sm_75: the production variant (GEMV and its split-K sum, as a T4 would launch them) builds
-  in fp16 and bf16 without spills; the tl.dot kernel builds in both dtypes as float32 FMAs (Triton
-  lowers tl.dot to FMAs before sm_80: no mma.sync), and its spills are declared where measured.
+- The word GEMV variants (codebook 3, l06-l08) launch nf4_gemv_table_kernel on every slice of x (the
+  launches recorded), and refuse a product where nf4.linear would take the codebook-0 GEMV instead.
+- The tensor-core word GEMV variants (l30-l33) are GPU only (listed as skipped by the interpreter run);
+  with `nf4.linear.api.mma_ok` forced true on CPU their recorded launches (never run) are
+  nf4_gemv_mma_kernel with their own meta-parameters on slices of at most 8 rows of x, and without it
+  they refuse the fallback nf4.linear would launch.
+- Offline sm_75: the production variant (the GEMV with a T4's auto split-K, `nf4.linear.api.auto_split`)
+  and the split-K GEMV with its ordered sum (l05) build in fp16 and bf16 without spills; the tl.dot
+  kernel builds in both dtypes as float32 FMAs (Triton lowers tl.dot to FMAs before sm_80: no
+  mma.sync), and its spills are declared where measured. The word GEMV variants (l06-l08, l30-l33)
+  are recorded as not built (min_arch 80), and that claim is checked by compiling the kernels' GPU
+  launches offline: ptxas refuses them for sm_75 and builds them for sm_80.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from experiments import ops, registry, runner
+from experiments import common, ops, registry, runner
 from experiments.ops import linear as linear_op
 from experiments.registry import Variant
+from nf4.linear import api as linear_api
+from nf4.linear import config as linear_config
+from nf4.linear.kernel import nf4_gemv_kernel, nf4_gemv_mma_kernel, nf4_gemv_table_kernel, nf4_split_sum_kernel
 
 LINEAR_OPS = ("linear", "linear_backward")
 INTERPRETING = not runner.gpu_mode()
 VARIANTS = {k: v for k, v in registry.variants().items() if v.op in LINEAR_OPS}
-CHECKS = [(v.id, c) for v in VARIANTS.values() for c in ops.get(v.op).interpreter_cases]
+CHECKS = [(v.id, c) for v in VARIANTS.values() if not v.gpu_only for c in ops.get(v.op).interpreter_cases]
+
+WORD_GEMV = ("l06_gemv_word_table", "l07_gemv_word_table_tile16", "l08_gemv_word_table_rows128")
+# id: (config, rows of W per program, threads per program, bytes per lane and step)
+MMA_GEMV = {"l30_gemv_mma": (linear_config.GEMV_MMA, 64, 128, 32),
+            "l31_gemv_mma_tile16": (linear_config.GEMV_MMA.with_(step_bytes=16), 64, 128, 16),
+            "l32_gemv_mma_warps2": (linear_config.GEMV_MMA.with_(num_warps=2, block_r=32), 32, 64, 32),
+            "l33_gemv_mma8": (linear_config.GEMV_MMA8, 64, 128, 16)}
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="interpreter checks (a GPU run uses the runner)")
 
@@ -43,7 +66,7 @@ def _inputs(op_name: str, case_text: str):
 def test_linear_registry():
     assert set(LINEAR_OPS) <= set(ops.names())
     assert {"l00_production", "l01_gemv", "l10_gemm", "l11_gemm_swap", "l20_dequant_cublas",
-            "l21_backward_gemm"} <= set(VARIANTS)
+            "l21_backward_gemm", *WORD_GEMV, *MMA_GEMV} <= set(VARIANTS)
     for v in VARIANTS.values():
         assert re.fullmatch(r"l\d\d_[a-z0-9_]+", v.id), v.id
         assert v.module.startswith(f"experiments.variants.{v.op}."), (v.id, v.module)
@@ -55,6 +78,19 @@ def test_linear_registry():
             ops.get(v.op).parse_case(case)
     assert len({v.id[:3] for v in VARIANTS.values()}) == len(VARIANTS), "two variants share a number"
     assert registry.lineage("l05_gemv_split8") == ["l05_gemv_split8", "l01_gemv", "l00_production"]
+    assert registry.lineage("l07_gemv_word_table_tile16") == ["l07_gemv_word_table_tile16", "l06_gemv_word_table",
+                                                              "l01_gemv", "l00_production"]
+    assert registry.lineage("l33_gemv_mma8") == ["l33_gemv_mma8", "l31_gemv_mma_tile16", "l30_gemv_mma",
+                                                 "l06_gemv_word_table", "l01_gemv", "l00_production"]
+    kernels = {**dict.fromkeys(WORD_GEMV, nf4_gemv_table_kernel), **dict.fromkeys(MMA_GEMV, nf4_gemv_mma_kernel)}
+    for vid, v in VARIANTS.items():  # only the word GEMVs need a later GPU than a T4; only l30-l33 need one at all
+        assert v.min_arch == (80 if vid in kernels else 0), vid
+        assert v.kernel is kernels[vid] if vid in kernels else v.kernel not in set(kernels.values()), vid
+        assert (v.min_arch > 0) == bool(v.arch_reason), vid
+        assert v.gpu_only == (vid in MMA_GEMV), vid
+    for vid in MMA_GEMV:
+        reason = VARIANTS[vid].arch_reason
+        assert "mma.sync.aligned.m16n8k16" in reason and "cvt.rn.bf16x2.f32" in reason, (vid, reason)
 
 
 def test_cases_and_bytes():
@@ -97,6 +133,111 @@ def test_interpreter_operand_exact(vid, case_text):
     sets, expected = _inputs(variant.op, case_text)
     row = runner.check_variant(variant, sets, expected, gpu=False)
     assert row["status"] == "exact", row
+
+
+def _recorded(vid: str, x, packed, qs, out) -> list:
+    with common.recording() as calls:
+        VARIANTS[vid].run(x, packed, qs, out, ftz=True)
+    return calls
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case_text", linear_op.INTERPRETER_CASES)
+def test_word_gemv_launches_table_kernel(case_text):
+    """l06-l08 launch nf4_gemv_table_kernel once per slice of at most 4 rows of x, with their own
+    meta-parameters (split 1 in the interpreter: no second launch), where l01 launches nf4_gemv_kernel."""
+    x, packed, qs, out = _inputs("linear", case_text)[0][0]
+    m = x.shape[0]
+    slices = [min(4, m - i) for i in range(0, m, 4)]
+    want = {"l06_gemv_word_table": (64, 32), "l07_gemv_word_table_tile16": (64, 16),
+            "l08_gemv_word_table_rows128": (128, 32)}
+    for vid, (block_r, half) in want.items():
+        calls = _recorded(vid, x, packed, qs, out)
+        assert [fn for fn, *_ in calls] == [nf4_gemv_table_kernel] * len(slices), vid
+        names = list(nf4_gemv_table_kernel.arg_names)
+        for (_, grid, args, _), rows in zip(calls, slices, strict=True):
+            got = {k: args[names.index(k)] for k in ("M", "BLOCK_M", "BLOCK_R", "HALF", "PARTIAL")}
+            assert got == {"M": rows, "BLOCK_M": 1 << (rows - 1).bit_length(), "BLOCK_R": block_r, "HALF": half,
+                           "PARTIAL": False}, (vid, got)
+            assert grid[0] == -(-out.shape[1] // block_r), (vid, grid)  # cdiv(N, BLOCK_R) programs, no split
+    assert {fn for fn, *_ in _recorded("l01_gemv", x, packed, qs, out)} == {nf4_gemv_kernel}
+
+
+@needs_interpreter
+def test_word_gemv_refuses_the_fallback():
+    """Where nf4.linear would run the codebook-0 GEMV (x's dtype is not W's), the word GEMV variants raise
+    rather than check another kernel under their name; l01 launches the codebook-0 GEMV for the same product."""
+    sets, _ = _inputs("linear", linear_op.INTERPRETER_CASES[0])  # a bfloat16 weight
+    x, packed, qs, out = sets[0]
+    x16, out16 = x.to(torch.float16), torch.empty_like(out, dtype=torch.float16)
+    for vid in WORD_GEMV:
+        with pytest.raises(RuntimeError, match=r"nf4_gemv_table_kernel cannot run.*nf4_gemv_kernel instead"):
+            _recorded(vid, x16, packed, qs, out16)
+        row = runner.check_variant(VARIANTS[vid], [(x16, packed, qs, out16)], None, gpu=False)
+        assert row["status"] == "error" and "cannot run" in row["error"], row
+    assert [fn for fn, *_ in _recorded("l01_gemv", x16, packed, qs, out16)] == [nf4_gemv_kernel]
+
+
+def test_mma_gemv_skipped_in_interpreter():
+    """The interpreter run lists the tensor-core GEMV variants as skipped (not run, not failed)."""
+    sets, expected = _inputs("linear", linear_op.INTERPRETER_CASES[0])
+    for vid in MMA_GEMV:
+        row = runner.check_variant(VARIANTS[vid], sets, expected, gpu=False)
+        assert row["status"] == "skipped" and "GPU only" in row["note"], (vid, row)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case_text", linear_op.INTERPRETER_CASES)
+def test_mma_gemv_launches_mma_kernel(case_text, monkeypatch):
+    """With nf4.linear.api.mma_ok forced true on CPU, l30-l33 record (never run: the interpreter has no PTX)
+    nf4_gemv_mma_kernel once per slice of at most 8 rows of x, with their own warps, rows and lane bytes (split 1
+    in the interpreter: no second launch); l06 still records the word GEMV for the same product."""
+    monkeypatch.setattr(linear_api, "mma_ok", lambda *args: True)
+    x, packed, qs, out = _inputs("linear", case_text)[0][0]
+    m = x.shape[0]
+    slices = [min(8, m - i) for i in range(0, m, 8)]
+    names = list(nf4_gemv_mma_kernel.arg_names)
+    assert "BLOCK_R" not in names and "THREADS" in names
+    for vid, (config, block_r, threads, half) in MMA_GEMV.items():
+        assert config.block_r == block_r and 32 * config.num_warps == threads
+        calls = _recorded(vid, x, packed, qs, out)
+        assert [fn for fn, *_ in calls] == [nf4_gemv_mma_kernel] * len(slices), vid
+        for (_, grid, args, options), rows in zip(calls, slices, strict=True):
+            got = {k: args[names.index(k)] for k in ("M", "THREADS", "HALF", "SPLIT", "PARTIAL")}
+            assert got == {"M": rows, "THREADS": threads, "HALF": half, "SPLIT": 1, "PARTIAL": False}, (vid, got)
+            assert options["num_warps"] == config.num_warps, (vid, options)
+            assert grid[0] == -(-out.shape[1] // block_r), (vid, grid)  # cdiv(N, rows per program), no split
+    assert [fn for fn, *_ in _recorded("l06_gemv_word_table", x, packed, qs, out)] == [nf4_gemv_table_kernel] * -(
+        -m // 4)
+
+
+def test_mma_gemv_split_per_programs(monkeypatch):
+    """On meta tensors (a T4's auto split-K, 40 multiprocessors) the lanes' step and programs_per_sm decide the
+    split, as nf4.linear.api.auto_split does: l31 (12 programs per SM) splits K in two, l33 (7) does not."""
+    from experiments import sm75
+
+    monkeypatch.setattr(linear_api, "mma_ok", lambda *args: True)
+    n, k = linear_op.SM75_NK
+    for vid, want in (("l31_gemv_mma_tile16", 2), ("l33_gemv_mma8", 1)):
+        config = MMA_GEMV[vid][0]
+        split = linear_api.auto_split(-(-n // config.block_r), k // 2 // (4 * 16), config.programs_per_sm * 40)
+        assert split == want, (vid, split)
+        launches = sm75.recorded_launches(VARIANTS[vid], torch.bfloat16)
+        kernels = [fn for fn, *_ in launches]
+        assert kernels == [nf4_gemv_mma_kernel, *([nf4_split_sum_kernel] if split > 1 else [])], (vid, kernels)
+        assert launches[0][2][list(nf4_gemv_mma_kernel.arg_names).index("SPLIT")] == split, vid
+
+
+@needs_interpreter
+def test_mma_gemv_refuses_the_fallback():
+    """Where nf4.linear cannot run the tensor-core GEMV (here: Triton's interpreter, no PTX), l30-l33 raise
+    rather than check or time the word GEMV or the codebook-0 GEMV it falls back to."""
+    x, packed, qs, out = _inputs("linear", linear_op.INTERPRETER_CASES[1])[0][0]
+    fallback = {"l30_gemv_mma": "nf4_gemv_table_kernel", "l31_gemv_mma_tile16": "nf4_gemv_table_kernel",
+                "l32_gemv_mma_warps2": "nf4_gemv_table_kernel", "l33_gemv_mma8": "nf4_gemv_kernel"}
+    for vid, instead in fallback.items():
+        with pytest.raises(RuntimeError, match=rf"nf4_gemv_mma_kernel cannot run.*{instead} instead"):
+            _recorded(vid, x, packed, qs, out)
 
 
 @needs_interpreter
@@ -143,7 +284,11 @@ def test_linear_results_files(tmp_path):
 
 # --- offline sm_75 builds -------------------------------------------------------------------------
 
-SM75_IDS = ["l00_production", "l10_gemm", "l13_gemm_tile64", "l21_backward_gemm"]
+SM75_IDS = ["l00_production", "l05_gemv_split8", "l06_gemv_word_table", "l10_gemm", "l13_gemm_tile64",
+            "l21_backward_gemm", "l30_gemv_mma", "l33_gemv_mma8"]
+NOT_BUILT = {"l06_gemv_word_table": ("nf4_gemv_table_kernel", ("cvt.rn.bf16x2.f32",)),
+             "l30_gemv_mma": ("nf4_gemv_mma_kernel", ("mma.sync.aligned.m16n8k16", "cvt.rn.bf16x2.f32")),
+             "l33_gemv_mma8": ("nf4_gemv_mma_kernel", ("mma.sync.aligned.m16n8k16", "cvt.rn.bf16x2.f32"))}
 
 
 @pytest.fixture(scope="module")
@@ -158,21 +303,37 @@ def sm75_builds():
     return result, builds
 
 
-def test_sm75_production_builds(sm75_builds):
-    """At M = 1 a T4 launches the GEMV with split-K (40 multiprocessors) and the ordered sum of the partials."""
-    _, builds = sm75_builds
-    found = builds["l00_production"]
-    assert sorted((b["out_dtype"], b["launch"]) for b in found) == [("bfloat16", 0), ("bfloat16", 1),
-                                                                   ("float16", 0), ("float16", 1)]
-    for b in found:
+def _builds_ok(rows):
+    for b in rows:
         assert not b.get("error"), b
         assert b["n_regs"] > 0 and b["spill_stores"] == 0 and b["local_bytes"] == 0, b
         assert b["global_loads"] and b["global_stores"]
         assert b["enable_fp_fusion"] is True  # nf4.linear compiles with contraction on (products of 16-bit floats)
-    gemv = [b for b in found if b["launch"] == 0]
-    assert all(b["kernel"].endswith(":nf4_gemv_kernel") and b["constexprs"]["PARTIAL"] for b in gemv)
-    assert all(b["constexprs"]["ASM"] is True and b["constexprs"]["BF16_BITS"] is False for b in gemv)
-    assert all(b["kernel"].endswith(":nf4_split_sum_kernel") for b in found if b["launch"] == 1)
+
+
+def test_sm75_production_builds(sm75_builds):
+    """At M = 1 a T4 (40 multiprocessors) launches the codebook-0 GEMV with the split nf4.linear.api.auto_split
+    picks for it: 448 blocks of 32 rows, 64 steps, 640 programs at once, so split 2 is two waves of 32 steps,
+    no fewer than one wave of 64, and the tie goes to no split (one launch). l05's split-K of 8 is the GEMV
+    with float32 partials and their ordered sum (nf4_split_sum_kernel, SUM_BLOCK outputs per program)."""
+    _, builds = sm75_builds
+    n, k = linear_op.SM75_NK
+    gemv = linear_config.GEMV
+    split = linear_api.auto_split(-(-n // gemv.block_r), k // 2 // 32, gemv.programs_per_sm * 40)
+    assert split == 1
+    found = builds["l00_production"]
+    assert sorted((b["out_dtype"], "launch" in b) for b in found) == [("bfloat16", False), ("float16", False)]
+    _builds_ok(found)
+    assert all(b["kernel"].endswith(":nf4_gemv_kernel") and b["constexprs"]["PARTIAL"] is False for b in found)
+    assert all(b["constexprs"]["ASM"] is True and b["constexprs"]["BF16_BITS"] is False for b in found)
+    found = builds["l05_gemv_split8"]
+    assert sorted((b["out_dtype"], b["launch"]) for b in found) == [("bfloat16", 0), ("bfloat16", 1),
+                                                                   ("float16", 0), ("float16", 1)]
+    _builds_ok(found)
+    assert all(b["kernel"].endswith(":nf4_gemv_kernel") and b["constexprs"]["PARTIAL"] for b in found
+               if b["launch"] == 0)
+    assert all(b["kernel"].endswith(":nf4_split_sum_kernel") and b["constexprs"]["SPLIT"] == 8
+               and b["constexprs"]["BLOCK"] == linear_api.SUM_BLOCK for b in found if b["launch"] == 1)
 
 
 def test_sm75_tl_dot_is_fma(sm75_builds):
@@ -189,3 +350,84 @@ def test_sm75_tl_dot_is_fma(sm75_builds):
     from experiments import sm75
 
     assert not sm75.failures(result)
+
+
+def test_sm75_word_gemv_not_built(sm75_builds):
+    """The word GEMVs' rows (l06's product table, l30/l33's tensor cores) say why they have no sm_75 build;
+    nothing (the codebook-0 fallback least of all) is compiled in their names, and such a row is not a failure."""
+    result, builds = sm75_builds
+    for vid, (kernel, needs) in NOT_BUILT.items():
+        rows = builds[vid]
+        assert sorted(b["out_dtype"] for b in rows) == ["bfloat16", "float16"]
+        for b in rows:
+            assert b["not_built"].startswith("needs sm_80+: ") and all(w in b["not_built"] for w in needs), b
+            assert b["kernel"].endswith(f":{kernel}"), b
+            assert not {"build", "n_regs", "constexprs", "error"} & set(b), b
+    assert not any(b.get("not_built") for vid, rows in builds.items() if vid not in NOT_BUILT for b in rows)
+    from experiments import sm75
+
+    assert "not built: needs sm_80+" in sm75.table(result) and not sm75.failures(result)
+
+
+# The word GEMVs' launches as a GPU would issue them (kernel_args with CPU stand-ins, interpreting=False: ASM on;
+# mma_ok forced true, as on an sm_80+ GPU) for the sm_75 weight at M = 1 with a T4's auto split-K, compiled
+# offline for sm_75 and sm_80 in a child without TRITON_INTERPRET.
+_WORD_GEMV_BUILD = """
+import json, re, torch, triton
+from triton.backends.compiler import GPUTarget
+from experiments import sm75
+from experiments.ops.linear import SM75_NK
+from experiments.variants.linear._common import T4_SMS
+from nf4 import runtime
+from nf4.linear import api, config
+api.mma_ok = lambda *args: True
+n, k = SM75_NK
+found = {}
+for cfg in (config.GEMV_TABLE, config.GEMV_MMA):
+    for dt in (torch.float16, torch.bfloat16):
+        w = api.new_weight(n, k, 64, True, dt, torch.empty(16, dtype=torch.uint8), torch.empty(16), torch.empty(256),
+                           torch.empty(()), torch.device("cpu"))
+        split = api.auto_split(triton.cdiv(n, cfg.block_r), triton.cdiv(k // 2, api.gemv_step(cfg, w)),
+                               cfg.programs_per_sm * T4_SMS)
+        (fn, _, args, options), *_ = api.kernel_args(
+            torch.empty((1, k), dtype=dt), torch.empty(64, dtype=torch.uint8), w, None,
+            torch.empty((1, n), dtype=dt), 1, False, cfg.with_(split_k=split), True, False, torch.empty(split * n))
+        spec = sm75.source_spec(fn, runtime.positional(fn, args), {**options, "enable_fp_fusion": True})
+        for arch in (75, 80):
+            key = f"{fn.__name__} {dt} sm_{arch}"
+            try:
+                src = triton.compiler.ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"],
+                                                attrs=spec["attrs"])
+                ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=spec["options"]).asm["ptx"]
+                found[key] = {"asm": args.get("ASM"), "cvt_x2": len(re.findall(r"cvt\\.rn\\.b?f16x2\\.f32", ptx)),
+                              "prmt": ptx.count("prmt.b32"), "mma": len(re.findall(r"mma\\.sync\\.aligned", ptx))}
+            except Exception as exc:  # ptxas's refusals, one line per feature (the full message repeats them)
+                refused = sorted(set(re.findall(r"Feature '[^']*' requires \\.target sm_\\d+ or higher", str(exc))))
+                found[key] = {"asm": args.get("ASM"), "error": "; ".join(refused) or str(exc)[:4000]}
+print(json.dumps(found))
+"""
+
+
+def test_word_gemv_needs_sm80():
+    """What the word GEMVs' sm_75 rows claim: ptxas refuses their PTX for sm_75 (the packed conversions, and the
+    m16n8k16 mma of nf4_gemv_mma_kernel, need sm_80) and builds the same launches for sm_80, in fp16 and bf16."""
+    from experiments import sm75
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(sm75.ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _WORD_GEMV_BUILD], cwd=sm75.ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(found) == 8, found
+    assert {key.split()[0] for key in found} == {"nf4_gemv_table_kernel", "nf4_gemv_mma_kernel"}
+    for key, r in found.items():
+        mma = key.startswith("nf4_gemv_mma_kernel ")
+        assert r["asm"] is (None if mma else True), (key, r)  # the tensor-core kernel has PTX only (no ASM switch)
+        if key.endswith("sm_75"):
+            error = r.get("error", "")
+            assert re.search(r"Feature 'cvt\.b?f16x2\.f32' requires \.target sm_80 or higher", error), (key, r)
+            assert bool(re.search(r"Feature '\.m16n8k16' requires \.target sm_80 or higher", error)) == mma, (key, r)
+        else:
+            assert "error" not in r and r["cvt_x2"] >= 8 and r["prmt"] > 0, (key, r)
+            assert (r["mma"] >= 8) == mma, (key, r)

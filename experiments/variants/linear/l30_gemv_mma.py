@@ -1,0 +1,61 @@
+"""l30-l33: the word GEMV with its products on tensor cores (nf4_gemv_mma_kernel: PTX mma.sync m16n8k16), GPU only.
+
+Teaches what moving the word GEMV's multiply-adds from float32 FMAs (l06: a [rows, 4] float32
+accumulator per row of x, at most 4 rows) onto tensor cores is worth, and three of its
+meta-parameters. The decode is l06's (W as 32-bit words, each absmax block's 16 products
+NF4[c] * absmax rounded to x's dtype built once per row and step with cvt.rn.{bf16,f16}x2.f32 and
+prmt, each byte's two weights by prmt lookups in those registers); the decoded pairs are then the A
+operand of `mma.sync.aligned.m16n8k16` (16 rows of W per warp: lane 4g + t decodes rows g and g + 8),
+x's matching pairs the B operand (its 8 columns are 8 rows of x), with float32 accumulation. So one
+launch serves up to 8 rows of x at the cost of 1 (the unused columns of B are wasted work, not more
+instructions), and a lane keeps 8 float32 accumulators whatever M is. One step covers 4 lanes x
+step_bytes bytes of each row (`nf4.linear.api.gemv_step`): split-K is in whole steps.
+- l30: the table's GEMV_MMA (64 rows = 4 warps x 16, 32-byte lanes: one 64-weight absmax block per
+  lane and step, split-K for 12 programs per multiprocessor; H100 rows to M = 4), on slices of at
+  most 8 rows of x;
+- l31: 16-byte lanes (half a block per lane and step: the product table built twice per block, a
+  step of 64 bytes per row, half the loads in flight per lane);
+- l32: 2 warps, 32 rows per program (twice the programs along N, so half the auto split-K);
+- l33: the table's M = 5-8 row (GEMV_MMA8): l31 with split-K for 7 programs per multiprocessor.
+
+GPU only: Triton's interpreter has no PTX (nf4.linear's `launch_config` falls back to the word GEMV
+there), so the interpreter run lists these ids as skipped. Where nf4.linear would not launch
+nf4_gemv_mma_kernel (`nf4.linear.api.mma_ok`: a GPU before sm_80, M > 8, W dtype != x dtype, x not
+contiguous, x or the packed bytes not 16-byte aligned, K / 2 not a multiple of 4 * min(step_bytes,
+blocksize / 2, 32)), `_common.launch(expect=...)` raises instead of checking or timing the fallback
+under their name. The offline sm_75 compile records them as not built (`min_arch` 80).
+"""
+
+from __future__ import annotations
+
+from experiments.registry import register
+from nf4.linear import config as linear_config
+from nf4.linear.kernel import nf4_gemv_mma_kernel
+
+from ._common import launcher
+
+MMA = linear_config.GEMV_MMA
+MMA_ROWS = 8  # the rows of x one mma.sync's B operand holds (nf4.linear.api.mma_ok: M <= 8)
+MIN_ARCH = 80
+ARCH_REASON = ("nf4_gemv_mma_kernel issues mma.sync.aligned.m16n8k16 with f16/bf16 operands and packs its product "
+               "table with cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32; ptxas refuses both for sm_75 ('requires .target "
+               "sm_80 or higher'); a T4 runs l01's codebook-0 GEMV instead")
+NOTE = ("GPU only: the interpreter has no PTX (mma.sync, prmt, cvt.rn.*x2), so it is not run there; no sm_75 build "
+        "(needs sm_80)")
+# id, parent, the config, the one-line change.
+FAMILY = [
+    ("l30_gemv_mma", "l06_gemv_word_table", MMA,
+     f"products on tensor cores via mma.sync m16n8k16 instead of float32 FMAs (nf4_gemv_mma_kernel, GEMV_MMA: 4 "
+     f"warps x 16 rows, 32-byte lanes, split-K for 12 programs per SM), on slices of {MMA_ROWS} rows of x"),
+    ("l31_gemv_mma_tile16", "l30_gemv_mma", MMA.with_(step_bytes=16),
+     "16-byte lanes: half an absmax block per lane and step (the product table built twice per block)"),
+    ("l32_gemv_mma_warps2", "l30_gemv_mma", MMA.with_(num_warps=2, block_r=32),
+     "2 warps, 32 rows of W per program (twice the programs, half the split-K)"),
+    ("l33_gemv_mma8", "l31_gemv_mma_tile16", linear_config.GEMV_MMA8,
+     "split-K for 7 programs per SM instead of 12: the table's M = 5-8 row (GEMV_MMA8)"),
+]
+
+for _id, _parent, _config, _change in FAMILY:
+    register(_id, parent=_parent, change=_change, kernel=nf4_gemv_mma_kernel, gpu_only=True, min_arch=MIN_ARCH,
+             arch_reason=ARCH_REASON, note=NOTE, module=__name__)(
+        launcher(_config, max_rows=MMA_ROWS, expect=nf4_gemv_mma_kernel))
