@@ -51,7 +51,8 @@ GEMV_GRID = [(32, 2, 2, 16), (64, 4, 2, 8), (64, 4, 2, 4), (32, 2, 2, 8), (16, 1
 # programs_per_sm); block_r is 16 * warps. At 76 registers (32-byte lanes) an H100 holds 6 programs of 4 warps
 # per multiprocessor, 12 of 2 and 3 of 8 (offline sm_90 build); 16-byte lanes take 68.
 MMA_GRID = [(2, 32, 12), (4, 32, 6), (8, 32, 3), (2, 16, 14), (4, 16, 7), (4, 32, 4), (4, 32, 12), (2, 32, 6),
-            (4, 32, 3)]
+            (4, 32, 3), (4, 16, 3), (4, 32, 2), (2, 16, 6), (8, 16, 2)]  # the last four: fewer programs for M > 8
+# (104 registers at 9-16 rows, 138 at 17-32)
 # (block_m, block_n, block_k, warps, stages, swap, codebook); block_k is capped at the blocksize (64 here)
 GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128, 64, 4, 1, True, 2),
              (32, 64, 64, 4, 1, True, 2), (64, 64, 64, 4, 1, True, 2), (64, 128, 64, 4, 1, False, 2),
@@ -60,11 +61,13 @@ GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128,
 
 
 def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
-    """The tuning grid at M rows: GEMV shapes for M <= 8 (forward), tl.dot tiles whose BLOCK_M suits M."""
+    """The tuning grid at M rows: GEMV shapes for M <= 8 and tensor-core GEMV shapes for M <= 32 (forward),
+    tl.dot tiles whose BLOCK_M suits M."""
     out = []
     if m <= 8 and not backward:
         out += [LinearConfig(path="gemv", block_r=r, num_warps=w, codebook=cb, programs_per_sm=p)
                 for r, w, cb, p in GEMV_GRID]
+    if m <= 32 and not backward:
         out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w, num_warps=w, step_bytes=sb,
                              programs_per_sm=p) for w, sb, p in MMA_GRID]
     top = max(16, triton_next_pow2(m))

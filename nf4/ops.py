@@ -185,7 +185,9 @@ def _linear(
     m = x.shape[0]
     n_out = k if trans else n
     config = config_mod.tuned(api._device_name(x.device), m, trans)
-    if config.path == "dequant":
+    if config.path != "dequant":
+        config = api.launch_config(config, w, x, packed, m, trans)
+    if config.path == "dequant":  # the table's, or a tensor-core GEMV's fallback
         wt = torch.empty((n, k), dtype=w_dtype, device=x.device)
         # the opaque op, not the triton_op: with the triton_op Inductor lays the scratch weight out its own way and
         # the compiled forward+backward at M = 64 differed from eager in the last bit of 4 of 32768 gradients
@@ -195,7 +197,6 @@ def _linear(
         wt = wt.to(x.dtype)
         return x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    config = api.launch_config(config, w, x, packed, m, trans)
     split, _ = api.split_k(config, w, m, trans, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
     table = code_pairs if config.codebook == 2 else code

@@ -209,7 +209,8 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
             kernel = nf4_gemv_mma_kernel
             for name in ("CODEBOOK", "W_DT", "TRANS", "ASM", "EVICT", "BLOCK_M", "BLOCK_R"):
                 del args[name]
-            args.update(THREADS=32 * config.num_warps, HALF=min(half, 32))
+            args.update(THREADS=32 * config.num_warps, HALF=min(half, 32),
+                        NTILE=triton.next_power_of_2(triton.cdiv(m, 8)))  # 8-row tiles of x: 1, 2 or 4
         elif config.codebook == 3:
             if table_ok(w, x.dtype, packed, half, m):
                 kernel = nf4_gemv_table_kernel
@@ -257,12 +258,16 @@ def _aligned(t: torch.Tensor, n: int) -> bool:
     return t.data_ptr() % n == 0
 
 
+MMA_MAX_M = 32
+
+
 def mma_ok(w: _Weight, x: torch.Tensor | None, packed: torch.Tensor, half: int, m: int) -> bool:
-    """Whether the tensor-core word GEMV (nf4_gemv_mma_kernel) takes this product: at most 8 rows of x (B's
-    columns), W's dtype is x's, a CUDA GPU of sm_80 or later (PTX mma.sync, cvt.rn.*x2), x contiguous and x and
-    the packed bytes 16-byte aligned (vector loads without masks), and every row a whole number of steps."""
+    """Whether the tensor-core word GEMV (nf4_gemv_mma_kernel) takes this product: at most MMA_MAX_M rows of x
+    (up to 4 tiles of B's 8 columns), W's dtype is x's, a CUDA GPU of sm_80 or later (PTX mma.sync,
+    cvt.rn.*x2), x contiguous and x and the packed bytes 16-byte aligned (vector loads without masks), and
+    every row a whole number of steps."""
     half = min(half, 32)
-    return (x is not None and m <= 8 and w.dtype == x.dtype and packed.device.type == "cuda"
+    return (x is not None and m <= MMA_MAX_M and w.dtype == x.dtype and packed.device.type == "cuda"
             and _packs_16bit(packed.device) and half % 16 == 0 and (w.K // 2) % (4 * half) == 0
             and x.is_contiguous() and _aligned(x, 16) and _aligned(packed, 16))
 
@@ -343,10 +348,8 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
     asked = config
     if config is None:
         config = tuned(_device_name(x.device), m, trans)
-    if config.path == "dequant":  # nf4.dequantize into a scratch weight, then cuBLAS
-        wt = _dequantize(packed, _qs_of(w, packed), ftz=ftz).to(x.dtype)
-        out = x2 @ wt if trans else torch.nn.functional.linear(x2, wt, bias)
-        return out.reshape(*lead, n_out)
+    if config.path == "dequant":
+        return _dequant_run(x2, packed, w, bias, trans, ftz).reshape(*lead, n_out)
     key = (m, x.dtype, bias is not None, trans, asked, ftz)
     plan = w.launches.get(key)
     if (plan and x2.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
@@ -367,6 +370,8 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
                 finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr(), bias.data_ptr())
         return out.reshape(*lead, n_out)
     config = launch_config(config, w, x2, packed, m, trans)
+    if config.path == "dequant":  # a tuned tensor-core GEMV's fallback
+        return _dequant_run(x2, packed, w, bias, trans, ftz).reshape(*lead, n_out)
     split, _ = split_k(config, w, m, trans, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
     launches = kernel_args(x2, packed, w, bias, out, m, trans, config, ftz, interpreting, part)
@@ -388,6 +393,12 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
                                       x.device.index)
             w.launches[key] = (main, finish, split * m * n_out)
     return out.reshape(*lead, n_out)
+
+
+def _dequant_run(x2, packed, w: _Weight, bias, trans: bool, ftz: bool) -> torch.Tensor:
+    """nf4.dequantize into a scratch weight, then cuBLAS (the table's dequant path)."""
+    wt = _dequantize(packed, _qs_of(w, packed), ftz=ftz).to(x2.dtype)
+    return x2 @ wt if trans else torch.nn.functional.linear(x2, wt, bias)
 
 
 def _qs_of(w: _Weight, packed):

@@ -48,7 +48,7 @@ class LinearConfig:
     # absmax block's 16 products in registers, looked up with prmt (nf4_gemv_table_kernel; where it cannot
     # run, and in the other kernels, codebook 3 means 0)
     codebook: int = 2
-    # codebook 3's GEMV with its products on tensor cores (nf4_gemv_mma_kernel: PTX mma.sync, M <= 8); a warp
+    # codebook 3's GEMV with its products on tensor cores (nf4_gemv_mma_kernel: PTX mma.sync, M <= 32); a warp
     # owns 16 rows of W, so block_r must be 16 * num_warps; step_bytes (16 or 32) is what one lane decodes of
     # each of its two rows per step. Where it cannot run it falls back like codebook 3 (launch_config).
     mma: bool = False
@@ -112,19 +112,30 @@ GEMV_TABLE = LinearConfig(path="gemv", block_r=64, num_warps=2, codebook=3, prog
 # per SM measured 25.7-26.1 us against 28.2-28.4.
 GEMV_MMA = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, step_bytes=32, programs_per_sm=12)
 GEMV_MMA8 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, step_bytes=16, programs_per_sm=7)
-# What a tuned row runs where the word GEMV cannot (W dtype != x dtype, M > 4, misaligned packed bytes, a GPU
-# before sm_80, torch.compile's trace): the codebook-0 GEMV with its own shape (nf4.linear.api.launch_config).
-# Any other codebook-3 config keeps its shape with codebook 0.
-FALLBACK = {GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV}
+# Two and four 8-row tiles of x (results/linear/tuning/sweep_mma32_h100.json, geometric mean over the three weights):
+# at M = 9-16, 8 warps, 16-byte lanes and 2 programs per SM (M = 16: 34.0 / 30.1 / 11.9 us on 14336x4096 /
+# 4096x14336 / 4096x4096, against 43.4 / 44.8 / 16.4 for dense cuBLAS in bench_h100.json); at M = 17-32, 4 warps,
+# 16-byte lanes, 3 programs per SM (M = 32: 54.5 / 43.3 / 17.2 us: slower than dense cuBLAS on the first, about
+# half of nf4.dequantize + cuBLAS, which the table took there before). Where they cannot run: nf4.dequantize + cuBLAS.
+GEMV_MMA16 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=128, num_warps=8, step_bytes=16,
+                          programs_per_sm=2)
+GEMV_MMA32 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, step_bytes=16,
+                          programs_per_sm=3)
+DEQUANT = LinearConfig(path="dequant")
+# What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config): the tensor-core GEMV (x or the
+# packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes the word GEMV
+# up to M = 4 and nf4.dequantize + cuBLAS above (the table's choice there before it); the word GEMV (W dtype != x
+# dtype, misaligned packed bytes, no sm_80+ GPU) the codebook-0 GEMV with its own shape. Any other tensor-core
+# config keeps its shape without mma, any other codebook-3 config its shape with codebook 0.
+FALLBACK = {GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: DEQUANT, GEMV_MMA32: DEQUANT}
 GEMM_SMALL = LinearConfig(path="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
                           codebook=0)
 GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=1, codebook=0)
-DEQUANT = LinearConfig(path="dequant")
 
 Rows = tuple[tuple[int | None, LinearConfig], ...]
 TUNED: dict[str, dict[str, Rows]] = {
     "H100": {
-        "forward": ((4, GEMV_MMA), (8, GEMV_MMA8), (None, DEQUANT)),
+        "forward": ((4, GEMV_MMA), (16, GEMV_MMA16), (32, GEMV_MMA32), (None, DEQUANT)),
         "backward": ((None, DEQUANT),),
     },
 }

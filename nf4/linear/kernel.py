@@ -347,38 +347,70 @@ def nf4_gemv_table_kernel(
 
 
 @triton.jit
-def _mma_word(wa, wb, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1, x2, x3,
-              acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT: tl.constexpr):
-    """Two mma.sync steps for one word of each of a thread's two rows (wa: row g, wb: row g + 8) and the
-    matching 4 pairs of x (x0..x3): pairs 0 and 1 as the thread's A columns 2t.. and 2t + 8.. of the first,
-    pairs 2 and 3 of the second, into the two accumulator sets (acc0..3, acc4..7)."""
-    pa0, pa1, pa2, pa3 = table_pairs(wa, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7)
-    pb0, pb1, pb2, pb3 = table_pairs(wb, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7)
-    acc0, acc1, acc2, acc3 = mma_16x8x16(pa0, pb0, pa1, pb1, x0, x1, acc0, acc1, acc2, acc3, X_DT)
-    acc4, acc5, acc6, acc7 = mma_16x8x16(pa2, pb2, pa3, pb3, x2, x3, acc4, acc5, acc6, acc7, X_DT)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+def _mma_pairs(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, xp, c0, c1, c2, c3, c4, c5, c6, c7, X_DT: tl.constexpr):
+    """One word's looked-up pairs of rows g (pa) and g + 8 (pb) against x's 4 matching pairs at xp (B's column g
+    of one 8-row tile of x): pairs 0 and 1 as the lane's A columns 2t.. and 2t + 8.. of one mma.sync, pairs 2
+    and 3 of a second, into the two accumulator sets (c0..c3, c4..c7)."""
+    x0, x1, x2, x3 = load_v4(xp, False)
+    c0, c1, c2, c3 = mma_16x8x16(pa0, pb0, pa1, pb1, x0, x1, c0, c1, c2, c3, X_DT)
+    c4, c5, c6, c7 = mma_16x8x16(pa2, pb2, pa3, pb3, x2, x3, c4, c5, c6, c7, X_DT)
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit
-def _mma_tile(a0, a1, a2, a3, b0, b1, b2, b3, xp, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4,
-              tb5, tb6, tb7, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT: tl.constexpr):
+def _mma_word(wa, wb, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
+              xp0, xp1, xp2, xp3,
+              c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23,
+              c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37,
+              X_DT: tl.constexpr, NTILE: tl.constexpr):
+    """One word of each of the lane's two rows (wa: row g, wb: row g + 8), looked up once, against each of the
+    NTILE 8-row tiles of x (pairs at xp0..xp3; accumulators c<tile><0..7>)."""
+    pa0, pa1, pa2, pa3 = table_pairs(wa, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7)
+    pb0, pb1, pb2, pb3 = table_pairs(wb, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7)
+    c00, c01, c02, c03, c04, c05, c06, c07 = _mma_pairs(
+        pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, xp0, c00, c01, c02, c03, c04, c05, c06, c07, X_DT)
+    if NTILE > 1:
+        c10, c11, c12, c13, c14, c15, c16, c17 = _mma_pairs(
+            pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, xp1, c10, c11, c12, c13, c14, c15, c16, c17, X_DT)
+    if NTILE > 2:
+        c20, c21, c22, c23, c24, c25, c26, c27 = _mma_pairs(
+            pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, xp2, c20, c21, c22, c23, c24, c25, c26, c27, X_DT)
+        c30, c31, c32, c33, c34, c35, c36, c37 = _mma_pairs(
+            pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, xp3, c30, c31, c32, c33, c34, c35, c36, c37, X_DT)
+    return (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
+            c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37)
+
+
+@triton.jit
+def _mma_tile(a0, a1, a2, a3, b0, b1, b2, b3, xp0, xp1, xp2, xp3,
+              ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
+              c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23,
+              c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37,
+              X_DT: tl.constexpr, NTILE: tl.constexpr):
     """A lane's 16-byte tile of each of its rows (words a0..a3 of row g, b0..b3 of row g + 8) against x's 16
-    matching pairs at xp: 8 mma.sync steps."""
-    x0, x1, x2, x3 = load_v4(xp, False)
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_word(
-        a0, b0, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
-        x0, x1, x2, x3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
-    x0, x1, x2, x3 = load_v4(xp + 4, False)
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_word(
-        a1, b1, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
-        x0, x1, x2, x3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
-    x0, x1, x2, x3 = load_v4(xp + 8, False)
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_word(
-        a2, b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
-        x0, x1, x2, x3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
-    x0, x1, x2, x3 = load_v4(xp + 12, False)
-    return _mma_word(a3, b3, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
-                     x0, x1, x2, x3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
+    matching pairs in each 8-row tile of x (at xp0..xp3): 8 mma.sync steps per tile of x."""
+    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25,
+     c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_word(
+        a0, b0, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, xp0, xp1, xp2, xp3,
+        c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25,
+        c26, c27, c30, c31, c32, c33, c34, c35, c36, c37, X_DT, NTILE)
+    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25,
+     c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_word(
+        a1, b1, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, xp0 + 4, xp1 + 4,
+        xp2 + 4, xp3 + 4, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21,
+        c22, c23, c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37, X_DT, NTILE)
+    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25,
+     c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_word(
+        a2, b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, xp0 + 8, xp1 + 8,
+        xp2 + 8, xp3 + 8, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21,
+        c22, c23, c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37, X_DT, NTILE)
+    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25,
+     c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_word(
+        a3, b3, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, xp0 + 12, xp1 + 12,
+        xp2 + 12, xp3 + 12, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21,
+        c22, c23, c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37, X_DT, NTILE)
+    return (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
+            c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37)
 
 
 @triton.jit
@@ -394,6 +426,17 @@ def _mma_store(y, ptr, bias_ptr, rows, m, M, N, pid_k, PARTIAL: tl.constexpr, HA
         tl.store(ptr + m * N + rows, round_to(y, X_DT, BF16_BITS), mask=ok)
 
 
+@triton.jit
+def _mma_store_tile(c0, c1, c2, c3, c4, c5, c6, c7, m0, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
+                    PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
+    """The lane's 4 outputs of one 8-row tile of x (from row m0): the two accumulator sets added."""
+    m = m0 + 2 * t
+    _mma_store(c0 + c4, out_ptr, bias_ptr, row_a, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(c1 + c5, out_ptr, bias_ptr, row_a, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(c2 + c6, out_ptr, bias_ptr, row_b, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(c3 + c7, out_ptr, bias_ptr, row_b, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT"])
 def nf4_gemv_mma_kernel(
     x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
@@ -403,16 +446,18 @@ def nf4_gemv_mma_kernel(
     HAS_BIAS: tl.constexpr,
     THREADS: tl.constexpr,  # 32 * num_warps: every 1-D tensor here holds one element per thread
     HALF: tl.constexpr,  # bytes of each of its two rows a thread decodes per step: 16 or 32 (<= BLOCKSIZE / 2)
+    NTILE: tl.constexpr,  # 8-row tiles of x (B's 8 columns each): 1, 2 or 4 (M <= 8 * NTILE)
     SPLIT, SEG, PARTIAL: tl.constexpr, BF16_BITS: tl.constexpr,
 ):
     """The word GEMV (codebook 3's product table and prmt lookup) with its products on tensor cores:
-    x @ W^T for M <= 8 by PTX `mma.sync.m16n8k16` (float32 accumulation), split-K like nf4_gemv_kernel.
+    x @ W^T for M <= 32 by PTX `mma.sync.m16n8k16` (float32 accumulation), split-K like nf4_gemv_kernel.
     Each warp owns 16 rows of W; lane 4g + t decodes rows g and g + 8, bytes t * HALF .. (t + 1) * HALF of
     each 4 * HALF-byte step. An mma's 16 columns of K are any 16 of the step, provided A's and B's agree:
     the lane's own word pairs are its A columns 2t.. / 2t + 8.., and its B registers are x's pairs at
-    the same bytes, from row g of x (B's column g). D's lane 4g + t holds outputs (row g / g + 8, x row 2t /
-    2t + 1). Needs an sm_80+ GPU, 16-byte aligned x and packed bytes, K / 2 a multiple of 4 * HALF and
-    W's dtype == x's (the API checks them); GPU only (no PTX in Triton's interpreter)."""
+    the same bytes, from row 8u + g of x (B's column g of the u-th 8-row tile of x); a word is looked up once
+    for all NTILE tiles. D's lane 4g + t holds outputs (row g / g + 8, x row 8u + 2t / 8u + 2t + 1). Needs an
+    sm_80+ GPU, 16-byte aligned x and packed bytes, K / 2 a multiple of 4 * HALF and W's dtype == x's (the
+    API checks them); GPU only (no PTX in Triton's interpreter)."""
     NSUB: tl.constexpr = HALF // 16
     STEP: tl.constexpr = 4 * HALF
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
@@ -430,12 +475,19 @@ def nf4_gemv_mma_kernel(
     rb = tl.minimum(row_b, N - 1)
     wa = words_ptr + ra * KW
     wb = words_ptr + rb * KW
-    xr = xw_ptr + tl.minimum(g, M - 1) * KB  # B's column g: x's row g (past M: row M - 1, not stored)
+    # B's column g of tile u: x's row 8u + g (past M: row M - 1, not stored)
+    xr0 = xw_ptr + tl.minimum(g, M - 1) * KB
+    xr1 = xw_ptr + tl.minimum(8 + g, M - 1) * KB
+    xr2 = xw_ptr + tl.minimum(16 + g, M - 1) * KB
+    xr3 = xw_ptr + tl.minimum(24 + g, M - 1) * KB
     always = i >= 0
     first = pid_k * SEG
     end = tl.minimum(first + SEG, KB)
     zero = tl.zeros((THREADS,), dtype=tl.float32)
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = zero, zero, zero, zero, zero, zero, zero, zero
+    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25,
+     c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = (
+        zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero,
+        zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
     # the first step's words and absmax; each step then requests the next step's before decoding its own
     # (the last step re-reads itself: in bounds, unused)
     j = first + t * HALF  # this lane's bytes of the step (one absmax block)
@@ -467,18 +519,29 @@ def nf4_gemv_mma_kernel(
                                  offset_ptr, DOUBLE_QUANT, FTZ, True)
         ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = product_table(amax_a, FTZ, X_DT)
         tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b, FTZ, X_DT)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_tile(
-            a0, a1, a2, a3, b0, b1, b2, b3, xr + j, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7,
-            tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
+         c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_tile(
+            a0, a1, a2, a3, b0, b1, b2, b3, xr0 + j, xr1 + j, xr2 + j, xr3 + j, ta0, ta1, ta2, ta3, ta4, ta5, ta6,
+            ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13,
+            c14, c15, c16, c17, c20, c21, c22, c23, c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37, X_DT,
+            NTILE)
         if NSUB == 2:
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mma_tile(
-                a4, a5, a6, a7, b4, b5, b6, b7, xr + j + 16, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7,
-                tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, X_DT)
-    m = 2 * t
-    _mma_store(acc0 + acc4, out_ptr, bias_ptr, row_a, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    _mma_store(acc1 + acc5, out_ptr, bias_ptr, row_a, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    _mma_store(acc2 + acc6, out_ptr, bias_ptr, row_b, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    _mma_store(acc3 + acc7, out_ptr, bias_ptr, row_b, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
+             c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_tile(
+                a4, a5, a6, a7, b4, b5, b6, b7, xr0 + j + 16, xr1 + j + 16, xr2 + j + 16, xr3 + j + 16, ta0, ta1,
+                ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, c00, c01, c02, c03, c04, c05,
+                c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25, c26, c27, c30, c31,
+                c32, c33, c34, c35, c36, c37, X_DT, NTILE)
+    _mma_store_tile(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
+                    PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    if NTILE > 1:
+        _mma_store_tile(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
+                        PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    if NTILE > 2:
+        _mma_store_tile(c20, c21, c22, c23, c24, c25, c26, c27, 16, out_ptr, bias_ptr, row_a, row_b, t, M, N,
+                        pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+        _mma_store_tile(c30, c31, c32, c33, c34, c35, c36, c37, 24, out_ptr, bias_ptr, row_a, row_b, t, M, N,
+                        pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
 
 
 @triton.jit

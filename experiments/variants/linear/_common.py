@@ -52,10 +52,14 @@ def launch(x: torch.Tensor, packed, quant_state, out: torch.Tensor, config: Line
     if config is None:  # the rows api.run reads: the GPU's name, "" for the interpreter
         name = SM75_DEVICE if meta else "" if interpreting else torch.cuda.get_device_name(x.device)
         config = linear_config.tuned(name, m, trans)
-    if config.path == "dequant":
+    if config.path != "dequant":
+        config = linear_api.launch_config(config, w, x, packed, m, trans)
+    if config.path == "dequant":  # the table's, or a tensor-core GEMV's fallback
+        if expect is not None:
+            raise RuntimeError(f"{expect.__name__} cannot run for this product (M = {m}, W {w.dtype}, x {x.dtype}, "
+                               f"{x.device}); nf4.linear would run nf4.dequantize + cuBLAS instead")
         wt = nf4.dequantize(packed, quant_state, ftz=ftz).to(x.dtype)
         return torch.matmul(x, wt if trans else wt.t(), out=out)
-    config = linear_api.launch_config(config, w, x, packed, m, trans)
     if meta and config.path == "gemv" and not trans and config.split_k == 0:
         steps = triton.cdiv(w.K // 2, linear_api.gemv_step(config, w))
         config = config.with_(split_k=linear_api.auto_split(triton.cdiv(w.N, config.block_r), steps,

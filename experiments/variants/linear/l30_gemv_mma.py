@@ -16,7 +16,8 @@ step_bytes bytes of each row (`nf4.linear.api.gemv_step`): split-K is in whole s
 - l31: 16-byte lanes (half a block per lane and step: the product table built twice per block, a
   step of 64 bytes per row, half the loads in flight per lane);
 - l32: 2 warps, 32 rows per program (twice the programs along N, so half the auto split-K);
-- l33: the table's M = 5-8 row (GEMV_MMA8): l31 with split-K for 7 programs per multiprocessor.
+- l33: GEMV_MMA8 (the table's M = 5-8 row until the tiles of 9-32 rows were swept): l31 with split-K for
+  7 programs per multiprocessor.
 
 GPU only: Triton's interpreter has no PTX (nf4.linear's `launch_config` falls back to the word GEMV
 there), so the interpreter run lists these ids as skipped. Where nf4.linear would not launch
@@ -52,7 +53,7 @@ FAMILY = [
     ("l32_gemv_mma_warps2", "l30_gemv_mma", MMA.with_(num_warps=2, block_r=32),
      "2 warps, 32 rows of W per program (twice the programs, half the split-K)"),
     ("l33_gemv_mma8", "l31_gemv_mma_tile16", linear_config.GEMV_MMA8,
-     "split-K for 7 programs per SM instead of 12: the table's M = 5-8 row (GEMV_MMA8)"),
+     "split-K for 7 programs per SM instead of 12 (GEMV_MMA8)"),
 ]
 
 for _id, _parent, _config, _change in FAMILY:

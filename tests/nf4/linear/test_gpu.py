@@ -41,11 +41,16 @@ if torch.cuda.is_available():
         "gemv-split3": (3, LinearConfig(path="gemv", split_k=3, step_bytes=16, codebook=1)),
         "gemv-table": (4, LinearConfig(path="gemv", codebook=3, block_r=128)),
         "gemv-table-M1": (1, LinearConfig(path="gemv", codebook=3, block_r=64, split_k=1)),
-        # the tensor-core word GEMV (mma.sync): M = 1, 5 (B columns past M) and 8 (all of B's columns)
+        # the tensor-core word GEMV (mma.sync): M = 1, 5 (B columns past M), 8 (all of B's columns), 13, 19, 32
         "gemv-mma-M1": (1, LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4)),
         "gemv-mma-M5": (5, LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, split_k=1,
                                         step_bytes=16)),
         "gemv-mma-M8": (8, LinearConfig(path="gemv", codebook=3, mma=True, block_r=128, num_warps=8, split_k=3)),
+        # two and four 8-row tiles of x (B's columns), the last one partly past M
+        "gemv-mma-M13": (13, LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, split_k=2)),
+        "gemv-mma-M32": (32, LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2,
+                                          step_bytes=16)),
+        "gemv-mma-M19": (19, LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, split_k=1)),
         "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
         "gemm-swap": (16, LinearConfig(path="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
         "dequant": (8, LinearConfig(path="dequant")),
@@ -97,6 +102,10 @@ def test_operand(nf4h, lin, shape, blocksize, dtype, double_quant):
     seed = nf4h.case_seed("gpu-operand", shape, blocksize, dtype, double_quant)
     packed, qs = nf4h.quantize(shape, dtype, blocksize, double_quant, seed=seed, device=CUDA)
     for name in FORWARD:
+        config = FORWARD[name][1]
+        if config is not None and config.mma and FORWARD[name][0] > 4 and (shape[1] // 2) % (
+                4 * min(32, config.step_bytes, blocksize // 2)):
+            continue  # rows not whole steps of this tensor-core config: its fallback, the codebook-0 GEMV at M > 4
         _forward_all(lin, packed, qs, dtype, name, seed)
     for name in BACKWARD:
         _backward_all(lin, packed, qs, dtype, name, seed)
@@ -128,7 +137,7 @@ def test_mma_gemv_is_what_runs(nf4h, dtype):
         return linear_api.kernel_args(x, packed, w, None, out, m, False, config, True, False, part)[0][0]
 
     for shape in SHAPES[:3]:
-        for name in ("gemv-mma-M1", "gemv-mma-M5", "gemv-mma-M8"):
+        for name in ("gemv-mma-M1", "gemv-mma-M5", "gemv-mma-M8", "gemv-mma-M13", "gemv-mma-M19", "gemv-mma-M32"):
             assert kernel(shape, name) is nf4_gemv_mma_kernel, (shape, name)
     # K = 384: 192 bytes a row, whole 64-byte steps (16-byte lanes) but not whole 128-byte steps (32-byte lanes)
     assert kernel((45, 384), "gemv-mma-M5") is nf4_gemv_mma_kernel
