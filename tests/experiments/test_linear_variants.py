@@ -10,9 +10,8 @@
 - The word GEMV variants (codebook 3, l06-l08) launch nf4_gemv_table_kernel on every slice of x (the
   launches recorded), and refuse a product where nf4.linear would take the codebook-0 GEMV instead.
 - The tensor-core word GEMV variants (l30-l33) are GPU only (listed as skipped by the interpreter run);
-  with `nf4.linear.api.mma_ok` forced true on CPU their recorded launches (never run) are
-  nf4_gemv_mma_kernel with their own meta-parameters on slices of at most 8 rows of x, and without it
-  they refuse the fallback nf4.linear would launch.
+  they refuse the fallback nf4.linear would launch (their launches on a GPU: results/linear/
+  experiments_gpu_*.json), and their auto split-K is auto_split's.
 - Offline sm_75: the production variant (the GEMV with a T4's auto split-K, `nf4.linear.api.auto_split`)
   and the split-K GEMV with its ordered sum (l05) build in fp16 and bf16 without spills; the tl.dot
   kernel builds in both dtypes as float32 FMAs (Triton lowers tl.dot to FMAs before sm_80: no
