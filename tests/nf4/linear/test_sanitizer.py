@@ -1,0 +1,86 @@
+"""compute-sanitizer memcheck over nf4.linear's fused kernels on small odd cases (GPU only).
+
+The tensor-core and word GEMVs read with unmasked 16-byte and 4-byte vector loads, clamping rows past
+the weight (and rows of x past M) to the last one instead of masking; this checks that nothing is read
+or written outside the tensors. PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor an allocation of
+its own, so a read past one is a read outside an allocation. The cases: N odd and not a multiple of
+any tile, K = 384 (not a whole number of the 32-byte-lane steps: the fallbacks) and 512, blocksize 64
+and 128, M = 1, 3, 5, 19, 32, float16 and bfloat16, double quantization on and off, split-K auto and
+1, through the first call and the bound plan. x is made of identity rows, so each output must equal the
+dequantized weight bit for bit: the runs the sanitizer sees are exact ones. Set NF4_SANITIZER_LOG to a
+folder to keep the tool's output there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+TOOL = shutil.which("compute-sanitizer") or next(
+    (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(TOOL is None, reason="compute-sanitizer is not installed"),
+]
+
+CHILD = r"""
+import torch
+import bitsandbytes.functional as F
+import nf4
+from nf4.linear import LinearConfig
+from nf4.linear.config import GEMV_MMA, GEMV_TABLE
+from verify.exact import assert_bitexact
+
+torch.manual_seed(11)
+# (config, the largest M it takes here); None: the tuned rows (GEMV_MMA to 4, GEMV_MMA16 to 16, GEMV_MMA32 to 32)
+configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
+           (LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, step_bytes=16, split_k=3), 32)]
+n_checked = 0
+for n, k in ((45, 384), (333, 512)):
+    for blocksize in (64, 128):
+        for dtype in (torch.float16, torch.bfloat16):
+            for dq in (True, False):
+                w = (torch.randn(n, k, device="cuda") * 0.05).to(dtype)
+                packed, qs = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=dq, quant_type="nf4")
+                wd = nf4.dequantize(packed, qs)
+                for m in (1, 3, 5, 19, 32):
+                    x = torch.zeros(m, k, device="cuda", dtype=dtype)
+                    cols = torch.randperm(k, device="cuda")[:m]
+                    x[torch.arange(m, device="cuda"), cols] = 1.0
+                    want = wd[:, cols].t() + 0.0
+                    for config, max_m in configs:
+                        if m > max_m:
+                            continue
+                        for call in range(2):  # the first call, then the plan
+                            got = nf4.linear(x, packed, qs, config=config)
+                            assert_bitexact(got, want, name=f"{n}x{k} bs{blocksize} {dtype} dq={dq} M={m} {config}")
+                        n_checked += 1
+torch.cuda.synchronize()
+print(f"bit-exact: {n_checked} cases")
+"""
+
+
+def test_memcheck_is_clean():
+    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # nf4's kernels only (bitsandbytes' quantize kernels are not ours)
+    cmd = [TOOL, "--tool", "memcheck", "--error-exitcode", "9", "--target-processes", "all", "--leak-check", "no",
+           "--kernel-name", "kns=nf4_"]
+    proc = subprocess.run([*cmd, sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    log = proc.stdout + proc.stderr
+    folder = os.environ.get("NF4_SANITIZER_LOG")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "sanitizer_linear_memcheck.log").write_text(log)
+    assert "bit-exact:" in proc.stdout, log[-4000:]
+    assert proc.returncode == 0, log[-4000:]
