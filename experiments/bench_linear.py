@@ -47,7 +47,7 @@ GEMV_GRID = [(32, 2, 2, 16), (64, 4, 2, 8), (64, 4, 2, 4), (32, 2, 2, 8), (16, 1
              # codebook 3: the word GEMV with a product table per absmax block (M <= 4)
              (256, 2, 3, 16), (256, 2, 3, 8), (128, 2, 3, 16), (128, 1, 3, 16), (256, 4, 3, 8), (64, 2, 3, 16),
              (512, 4, 3, 8), (128, 2, 3, 8)]
-# codebook 3 on tensor cores (mma.sync, M <= 8): (warps, bytes a lane decodes of each of its rows per step,
+# codebook 3 on tensor cores (mma.sync, M <= 32): (warps, bytes a lane decodes of each of its rows per step,
 # programs_per_sm); block_r is 16 * warps. At 76 registers (32-byte lanes) an H100 holds 6 programs of 4 warps
 # per multiprocessor, 12 of 2 and 3 of 8 (offline sm_90 build); 16-byte lanes take 68.
 MMA_GRID = [(2, 32, 12), (4, 32, 6), (8, 32, 3), (2, 16, 14), (4, 16, 7), (4, 32, 4), (4, 32, 12), (2, 32, 6),

@@ -36,7 +36,7 @@ from nf4.linear.kernel import nf4_gemv_mma_kernel
 from ._common import launcher
 
 MMA = linear_config.GEMV_MMA
-MMA_ROWS = 8  # the rows of x one mma.sync's B operand holds (nf4.linear.api.mma_ok: M <= 8)
+MMA_ROWS = 8  # the rows of x one mma.sync's B operand holds (one tile; nf4.linear takes up to 4 tiles, M <= 32)
 MIN_ARCH = 80
 ARCH_REASON = ("nf4_gemv_mma_kernel issues mma.sync.aligned.m16n8k16 with f16/bf16 operands and packs its product "
                "table with cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32; ptxas refuses both for sm_75 ('requires .target "
