@@ -427,6 +427,25 @@ def _mma_store(y, ptr, bias_ptr, rows, m, M, N, pid_k, PARTIAL: tl.constexpr, HA
 
 
 @triton.jit
+def _mma_fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+               BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, NSUB: tl.constexpr):
+    """A lane's words of its two rows of W (at wa, wb: rows ra, rb) for the step at byte j, NSUB 16-byte tiles
+    each (with one, the second four words repeat the first), and the two rows' absmax there."""
+    a0, a1, a2, a3 = load_v4(wa + j // 4, True)
+    b0, b1, b2, b3 = load_v4(wb + j // 4, True)
+    a4, a5, a6, a7 = a0, a1, a2, a3
+    b4, b5, b6, b7 = b0, b1, b2, b3
+    if NSUB == 2:
+        a4, a5, a6, a7 = load_v4(wa + j // 4 + 4, True)
+        b4, b5, b6, b7 = load_v4(wb + j // 4 + 4, True)
+    amax_a = absmax_of_block((ra * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
+                             offset_ptr, DOUBLE_QUANT, FTZ, True)
+    amax_b = absmax_of_block((rb * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
+                             offset_ptr, DOUBLE_QUANT, FTZ, True)
+    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, amax_a, amax_b
+
+
+@triton.jit
 def _mma_store_tile(c0, c1, c2, c3, c4, c5, c6, c7, m0, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
                     PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
     """The lane's 4 outputs of one 8-row tile of x (from row m0): the two accumulator sets added."""
@@ -491,32 +510,18 @@ def nf4_gemv_mma_kernel(
     # the first step's words and absmax; each step then requests the next step's before decoding its own
     # (the last step re-reads itself: in bounds, unused)
     j = first + t * HALF  # this lane's bytes of the step (one absmax block)
-    na0, na1, na2, na3 = load_v4(wa + j // 4, True)
-    nb0, nb1, nb2, nb3 = load_v4(wb + j // 4, True)
-    na4, na5, na6, na7 = na0, na1, na2, na3
-    nb4, nb5, nb6, nb7 = nb0, nb1, nb2, nb3
-    if NSUB == 2:
-        na4, na5, na6, na7 = load_v4(wa + j // 4 + 4, True)
-        nb4, nb5, nb6, nb7 = load_v4(wb + j // 4 + 4, True)
-    next_a = absmax_of_block((ra * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
-                             offset_ptr, DOUBLE_QUANT, FTZ, True)
-    next_b = absmax_of_block((rb * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
-                             offset_ptr, DOUBLE_QUANT, FTZ, True)
+    (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _mma_fetch(
+        wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT, FTZ,
+        NSUB)
     for c0 in range(first, end, STEP):
         j = c0 + t * HALF
         a0, a1, a2, a3, a4, a5, a6, a7 = na0, na1, na2, na3, na4, na5, na6, na7
         b0, b1, b2, b3, b4, b5, b6, b7 = nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7
         amax_a, amax_b = next_a, next_b
         jn = tl.minimum(c0 + STEP, end - STEP) + t * HALF
-        na0, na1, na2, na3 = load_v4(wa + jn // 4, True)
-        nb0, nb1, nb2, nb3 = load_v4(wb + jn // 4, True)
-        if NSUB == 2:
-            na4, na5, na6, na7 = load_v4(wa + jn // 4 + 4, True)
-            nb4, nb5, nb6, nb7 = load_v4(wb + jn // 4 + 4, True)
-        next_a = absmax_of_block((ra * KB + jn) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
-                                 offset_ptr, DOUBLE_QUANT, FTZ, True)
-        next_b = absmax_of_block((rb * KB + jn) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
-                                 offset_ptr, DOUBLE_QUANT, FTZ, True)
+        (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _mma_fetch(
+            wa, wb, ra, rb, jn, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT,
+            FTZ, NSUB)
         ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = product_table(amax_a, FTZ, X_DT)
         tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b, FTZ, X_DT)
         (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
