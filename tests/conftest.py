@@ -34,6 +34,41 @@ class KernelTestHelpers:
     INT_VIEW: ClassVar[dict] = {2: torch.int16, 4: torch.int32}
 
     @staticmethod
+    def emulate_ptx(asm, inputs: dict[str, int]) -> dict[str, int]:
+        """The kernels' inline asm run by an emulator (`_emulate_ptx` below); returns every register."""
+        return _emulate_ptx(asm, inputs)
+
+    @staticmethod
+    def run_sanitizer(tool: str, child: str, kernels: str, log_name: str, env: dict | None = None):
+        """`python -c child` from the repository root under compute-sanitizer's `tool` (memcheck without leak
+        checks, racecheck, ...), judging only the kernels whose names start with `kernels` (not bitsandbytes'
+        that compute expected values); skips where compute-sanitizer is not installed. With NF4_SANITIZER_LOG
+        set, the tool's output is kept there as `log_name`. Returns (returncode, the child's stdout, the whole
+        output)."""
+        import shutil
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        exe = shutil.which("compute-sanitizer") or next(
+            (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+        if exe is None:
+            pytest.skip("compute-sanitizer is not installed")
+        root = Path(__file__).resolve().parents[1]
+        env = {**os.environ, **(env or {}),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        cmd = [exe, "--tool", tool, "--error-exitcode", "9", "--target-processes", "all", "--kernel-name",
+               f"kns={kernels}", *(["--leak-check", "no"] if tool == "memcheck" else [])]
+        proc = subprocess.run([*cmd, sys.executable, "-c", child], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=1200)
+        log = proc.stdout + proc.stderr
+        folder = os.environ.get("NF4_SANITIZER_LOG")
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / log_name).write_text(log)
+        return proc.returncode, proc.stdout, log
+
+    @staticmethod
     def case_seed(*key) -> int:
         """A seed derived from a test's parameters: fresh, reproducible data for every case."""
         return zlib.crc32(repr(key).encode())
@@ -167,6 +202,62 @@ class KernelTestHelpers:
         expect = torch.full_like(got, cls.POISON_BITS[buf.dtype])
         assert_bitexact(got[:start], expect[:start], name="guard before out")
         assert_bitexact(got[stop:], expect[stop:], name="guard after out")
+
+
+# --- a PTX emulator for the inline asm of the kernels (Triton's interpreter cannot run PTX) ---------
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of d = byte (c nibble i & 7) of {b, a}, sign-replicated if bit 3."""
+    src, d = a | (b << 32), 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        d |= byte << (8 * i)
+    return d
+
+
+def _mul_f32(a: int, b: int, ftz: bool) -> int:
+    """mul.rn(.ftz).f32 on float32 bit patterns (.ftz: subnormal inputs and result flushed to signed zero)."""
+    from reference.floats import flush_subnormal
+
+    x, y = (np.asarray([v], dtype=np.uint32).view(np.float32) for v in (a, b))
+    p = flush_subnormal(flush_subnormal(x) * flush_subnormal(y)) if ftz else (x * y).astype(np.float32)
+    return int(p.view(np.uint32)[0])
+
+
+def _cvt_x2(dtype: str, hi: int, lo: int) -> int:
+    """cvt.rn.{bf16,f16}x2.f32 d, hi, lo: both rounded to nearest even, hi in the upper half."""
+    from reference.floats import cast_float32
+
+    halves = cast_float32(np.asarray([hi, lo], dtype=np.uint32).view(np.float32), dtype)
+    return (int(halves.view(np.uint16)[0]) << 16) | int(halves.view(np.uint16)[1])
+
+
+_PTX_OPS = {"shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: a << b, "and.b32": lambda a, b: a & b,
+            "or.b32": lambda a, b: a | b, "prmt.b32": _prmt, "mul.rn.f32": lambda a, b: _mul_f32(a, b, False),
+            "mul.rn.ftz.f32": lambda a, b: _mul_f32(a, b, True),
+            "cvt.rn.bf16x2.f32": lambda a, b: _cvt_x2("bfloat16", a, b),
+            "cvt.rn.f16x2.f32": lambda a, b: _cvt_x2("float16", a, b)}
+
+
+def _emulate_ptx(asm, inputs: dict[str, int]) -> dict[str, int]:
+    """Run the inline-asm text `asm` (a string or tl.constexpr) on 32-bit registers: `inputs` maps operands
+    ("$8") to values; returns every register. Knows the instructions the kernels' asm uses (shifts, and, or,
+    prmt, mul.rn(.ftz).f32, cvt.rn.{bf16,f16}x2.f32); immediates are integers or 0f-prefixed float32 bits."""
+    text = "\n".join(line.split("//")[0] for line in getattr(asm, "value", asm).splitlines())
+    regs = dict(inputs)
+    for stmt in text.split(";"):
+        stmt = stmt.replace("{", " ").replace("}", " ").strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        dst, *srcs = [s.strip() for s in rest.split(",")]
+        vals = [int(s[2:], 16) if s.startswith("0f") else int(s, 0) if s[0].isdigit() else regs[s] for s in srcs]
+        regs[dst] = _PTX_OPS[op](*vals) & 0xFFFFFFFF
+    return regs
 
 
 @pytest.fixture

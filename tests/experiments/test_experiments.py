@@ -135,34 +135,7 @@ def test_results_files(tmp_path):
 # --- v21's PTX, executed by an emulator of the instructions it uses --------------------------------
 
 
-def _prmt(a: int, b: int, c: int) -> int:
-    """PTX prmt.b32 (default mode): byte i of d = byte (c nibble i & 7) of {b, a}, sign-replicated if bit 3."""
-    src, d = a | (b << 32), 0
-    for i in range(4):
-        sel = (c >> (4 * i)) & 0xF
-        byte = (src >> (8 * (sel & 7))) & 0xFF
-        if sel & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        d |= byte << (8 * i)
-    return d
-
-
-def _emulate(ptx: str, word: int) -> list[int]:
-    regs = {"$8": word}
-    instr = {"shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF,
-           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "prmt.b32": _prmt}
-    for line in ptx.splitlines():
-        line = line.split("//")[0].strip()
-        if line in ("{", "}", "") or line.startswith(".reg"):
-            continue
-        op, rest = line.rstrip(";").split(None, 1)
-        dst, *srcs = [s.strip() for s in rest.split(",")]
-        vals = [int(s, 0) if s[0].isdigit() else regs[s] for s in srcs]
-        regs[dst] = instr[op](*vals)
-    return [regs[f"${k}"] for k in range(8)]
-
-
-def test_prmt_codebook_ptx_emulated():
+def test_prmt_codebook_ptx_emulated(nf4h):
     from experiments.variants.dequant.v21_prmt_lut import PRMT_PTX
     from reference.format import NF4_CODE_BITS
 
@@ -171,7 +144,8 @@ def test_prmt_codebook_ptx_emulated():
     words += [int("".join([f"{c:x}"] * 8), 16) for c in range(16)]  # every code in every position
     words += [0x01234567, 0x89ABCDEF, 0xFEDCBA98, 0x76543210]
     for word in words:
-        got = _emulate(getattr(PRMT_PTX, "value", PRMT_PTX), word)
+        regs = nf4h.emulate_ptx(PRMT_PTX, {"$8": word})
+        got = [regs[f"${k}"] for k in range(8)]
         expect = []
         for j in range(4):  # element 2j = high nibble of byte j, 2j + 1 = low nibble
             byte = (word >> (8 * j)) & 0xFF

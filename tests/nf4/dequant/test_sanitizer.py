@@ -9,23 +9,12 @@ Set NF4_SANITIZER_LOG to a folder to keep the tools' full output there.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[3]
-TOOL = shutil.which("compute-sanitizer") or next(
-    (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(TOOL is None, reason="compute-sanitizer is not installed"),
 ]
 
 CHILD = r"""
@@ -62,20 +51,8 @@ print(f"bit-exact: {n_checked} cases")
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_sanitizer_is_clean(tool):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def test_sanitizer_is_clean(nf4h, tool):
     # only nf4's kernel is judged (bitsandbytes' kernels, which compute the expected values, are not ours)
-    cmd = [TOOL, "--tool", tool, "--error-exitcode", "9", "--target-processes", "all",
-           "--kernel-name", "kns=nf4_dequantize_kernel"]
-    if tool == "memcheck":
-        cmd += ["--leak-check", "no"]
-    proc = subprocess.run([*cmd, sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    log = proc.stdout + proc.stderr
-    folder = os.environ.get("NF4_SANITIZER_LOG")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"sanitizer_{tool}.log").write_text(log)
-    assert "bit-exact:" in proc.stdout, log[-4000:]
-    assert proc.returncode == 0, log[-4000:]
-    assert "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards" in log, log[-4000:]
+    returncode, stdout, log = nf4h.run_sanitizer(tool, CHILD, "nf4_dequantize_kernel", f"sanitizer_{tool}.log")
+    assert "bit-exact:" in stdout, log[-4000:]
+    assert returncode == 0, log[-4000:]

@@ -13,23 +13,12 @@ folder to keep the tool's output there.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[3]
-TOOL = shutil.which("compute-sanitizer") or next(
-    (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(TOOL is None, reason="compute-sanitizer is not installed"),
 ]
 
 CHILD = r"""
@@ -69,18 +58,9 @@ print(f"bit-exact: {n_checked} cases")
 """
 
 
-def test_memcheck_is_clean():
-    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    # nf4's kernels only (bitsandbytes' quantize kernels are not ours)
-    cmd = [TOOL, "--tool", "memcheck", "--error-exitcode", "9", "--target-processes", "all", "--leak-check", "no",
-           "--kernel-name", "kns=nf4_"]
-    proc = subprocess.run([*cmd, sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200)
-    log = proc.stdout + proc.stderr
-    folder = os.environ.get("NF4_SANITIZER_LOG")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / "sanitizer_linear_memcheck.log").write_text(log)
-    assert "bit-exact:" in proc.stdout, log[-4000:]
-    assert proc.returncode == 0, log[-4000:]
+def test_memcheck_is_clean(nf4h):
+    # nf4's kernels only (bitsandbytes' quantize kernels are not ours); every tensor its own allocation
+    returncode, stdout, log = nf4h.run_sanitizer("memcheck", CHILD, "nf4_", "sanitizer_linear_memcheck.log",
+                                                 env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+    assert "bit-exact:" in stdout, log[-4000:]
+    assert returncode == 0, log[-4000:]

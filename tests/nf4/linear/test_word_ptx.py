@@ -32,57 +32,6 @@ def _bits16(v: np.float32, dtype: str) -> int:
     return int(r.view(np.uint16)[0])
 
 
-def _prmt(a: int, b: int, c: int) -> int:
-    src, d = a | (b << 32), 0
-    for i in range(4):
-        sel = (c >> (4 * i)) & 0xF
-        byte = (src >> (8 * (sel & 7))) & 0xFF
-        if sel & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        d |= byte << (8 * i)
-    return d
-
-
-def _mul(a: int, b: int, ftz: bool) -> int:
-    x, y = (np.asarray([v], dtype=np.uint32).view(np.float32) for v in (a, b))
-    if ftz:
-        p = flush_subnormal(flush_subnormal(x) * flush_subnormal(y))
-    else:
-        p = (x * y).astype(np.float32)
-    return int(p.view(np.uint32)[0])
-
-
-def _cvt2(dtype: str, hi: int, lo: int) -> int:
-    f = [np.asarray([v], dtype=np.uint32).view(np.float32)[0] for v in (hi, lo)]
-    return (_bits16(f[0], dtype) << 16) | _bits16(f[1], dtype)
-
-
-def _value(token: str, regs: dict) -> int:
-    if token.startswith("0f"):
-        return int(token[2:], 16)
-    if token[0].isdigit():
-        return int(token, 0)
-    return regs[token]
-
-
-def emulate(asm: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Run the PTX subset of the word GEMV (32-bit registers); returns the final registers."""
-    regs = dict(inputs)
-    ops = {"shr.b32": lambda a, b: a >> b, "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
-           "prmt.b32": _prmt, "mul.rn.f32": lambda a, b: _mul(a, b, False),
-           "mul.rn.ftz.f32": lambda a, b: _mul(a, b, True),
-           "cvt.rn.bf16x2.f32": lambda a, b: _cvt2("bfloat16", a, b),
-           "cvt.rn.f16x2.f32": lambda a, b: _cvt2("float16", a, b)}
-    for stmt in asm.split(";"):
-        stmt = stmt.replace("{", " ").replace("}", " ").strip()
-        if not stmt or stmt.startswith(".reg"):
-            continue
-        op, rest = stmt.split(None, 1)
-        dst, *srcs = [s.strip() for s in rest.split(",")]
-        regs[dst] = ops[op](*(_value(s, regs) for s in srcs)) & 0xFFFFFFFF
-    return regs
-
-
 def _absmax_values(rng) -> list[float]:
     vals = list(rng.standard_normal(40).astype(np.float32) * np.float32(0.05))
     vals += [1.0, -0.0, 0.0, 3e-39, -7e-40, 1e-38, 1.2e-38, 70000.0, -65504.0, 3.4e38, 2.0**-24, 2.0**-14]
@@ -91,14 +40,14 @@ def _absmax_values(rng) -> list[float]:
 
 @pytest.mark.parametrize("ftz", [True, False], ids=["ftz", "ieee"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_product_table_and_lookup(ftz, dtype):
+def test_product_table_and_lookup(nf4h, ftz, dtype):
     rng = np.random.default_rng(20261123 + 2 * ftz + (dtype == "float16"))
     table_asm, lookup_asm = _text(ASM[ftz, dtype]), _text(device.LOOKUP_ASM)
     words = [int(w) for w in rng.integers(0, 2**32, size=24, dtype=np.uint64)]
     words += [0x01234567, 0x89ABCDEF, 0xFEDCBA98, 0x76543210]
     for absmax in _absmax_values(rng):
         a_bits = int(np.asarray([absmax], dtype=np.float32).view(np.uint32)[0])
-        regs = emulate(table_asm, {"$8": a_bits})
+        regs = nf4h.emulate_ptx(table_asm, {"$8": a_bits})
         planes = [regs[f"${i}"] for i in range(8)]
         if ftz:
             products = flush_subnormal(NF4 * flush_subnormal(np.float32(absmax)))
@@ -110,7 +59,7 @@ def test_product_table_and_lookup(ftz, dtype):
                for c in range(16)]
         assert got == want, f"table for absmax {absmax!r} ({dtype}, ftz={ftz})"
         for word in words:
-            out = emulate(lookup_asm, {"$4": word, **{f"${5 + i}": planes[i] for i in range(8)}})
+            out = nf4h.emulate_ptx(lookup_asm, {"$4": word, **{f"${5 + i}": planes[i] for i in range(8)}})
             for j in range(4):  # pair j: element 2j (high nibble of byte j) low, 2j + 1 high
                 byte = (word >> (8 * j)) & 0xFF
                 expect = want[byte >> 4] | (want[byte & 0xF] << 16)
