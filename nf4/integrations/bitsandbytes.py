@@ -35,6 +35,19 @@ What is patched (bitsandbytes 0.50.2), and why:
   original heuristic elsewhere; the fallback it then takes is the patched one above, so those
   forwards run nf4.linear's path bit for bit (`F.linear(A, nf4.dequantize(B))`).
 
+* Opt-in, `patch_bitsandbytes(fused_linear=True)`: `bitsandbytes.matmul_4bit` (bound in `bitsandbytes` and
+  `bitsandbytes.autograd._functions`; `Linear4bit.forward` looks up `bnb.matmul_4bit` at call time). A call
+  with an NF4 QuantState in [N, K] orientation, fp16 or bf16 x of M rows on a CUDA GPU (or the CPU with
+  the interpreter), M within the GPU's measured limit (`nf4.linear.config.routes_matmul_4bit`: the rows
+  where nf4.linear's tensor-core GEMV measured faster than bitsandbytes' own choice, up to 32 on the
+  H100 and H200), goes to `nf4.linear(A, B, quant_state, bias)`, differentiable in x and bias as
+  MatMul4Bit is. This is not bit-identical to bitsandbytes: its fused kernel sums in its own order
+  (and is not operand-exact for a few rows, docs/FORMAT.md), nf4.linear in the tensor cores' order, both
+  in float32 on the same bf16/fp16 weights; so it is off unless asked for. Every other call, and every
+  call while the mode is off, is bitsandbytes' (through the routes above). The mode is what the last
+  `patch_bitsandbytes` call asked; `patched_bitsandbytes(fused_linear=...)` restores the previous mode on
+  exit.
+
 Not routed: the CPU forward (`gemm_4bit`'s "default" kernel calls the op
 `torch.ops.bitsandbytes.dequantize_4bit`, not the Python function; the dispatcher holds its own
 reference to the kernel, and overriding a torch.library registration is process-global and cannot be
@@ -62,11 +75,13 @@ import functools
 import sys
 import threading
 
+import numpy as np
 import torch
 
 from ..dequant.api import dequantize
 
 __all__ = [
+    "fused_linear_on",
     "patch_bitsandbytes",
     "patched_bitsandbytes",
     "patched_names",
@@ -74,6 +89,7 @@ __all__ = [
     "route_dequant_linear_fallback",
     "route_dequantize_4bit",
     "route_gemm_4bit_choice",
+    "route_matmul_4bit",
     "routed_counts",
     "unpatch_bitsandbytes",
 ]
@@ -86,7 +102,9 @@ _patches: dict[tuple[str, str], tuple[object, object]] = {}
 _replacements: dict[object, object] = {}  # original -> its replacement (one per original, reused)
 _lock = threading.Lock()
 _counts: dict[tuple[str, str], int] = {}
+_fused_linear = False  # the opt-in mode: matmul_4bit of few rows to nf4.linear (patch_bitsandbytes(fused_linear=True))
 _interpreting: bool | None = None  # cached: fixed when triton decorated the kernel
+_fused_originals: set[int] = set()  # id() of the originals patched only in the fused_linear mode (matmul_4bit)
 
 
 def _interpreter_on() -> bool:
@@ -266,6 +284,65 @@ def route_gemm_4bit_choice(original, device_name=None):
     return _gemm_4bit_use_custom_fn
 
 
+def _linear_rows(A, quant_state, out, bias) -> int:
+    """The rows of a `matmul_4bit` call the fused route may give to nf4.linear, else 0."""
+    if (not isinstance(A, torch.Tensor) or A.dtype not in (torch.float16, torch.bfloat16) or A.dim() == 0
+            or getattr(quant_state, "quant_type", None) != "nf4"
+            or getattr(quant_state, "packing_format_for_cpu", False) or not _nf4_device(A.device)):
+        return 0
+    shape = getattr(quant_state, "shape", None)
+    if shape is None or len(shape) != 2 or A.shape[-1] != shape[1] or A.numel() == 0:
+        return 0  # a [K, N] weight, or no rows: bitsandbytes' own handling
+    state2 = getattr(quant_state, "state2", None)
+    if getattr(quant_state, "nested", False) and (state2 is None or state2.blocksize != 256):
+        return 0  # bitsandbytes raises for these: keep its behaviour
+    if out is not None and not isinstance(out, torch.Tensor):
+        return 0
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return 0
+    return A.numel() // A.shape[-1]
+
+
+def route_matmul_4bit(original, device_name=None):
+    """The replacement for `bitsandbytes.matmul_4bit` (`original`) in the fused_linear mode, same signature.
+
+    A call `_linear_rows` accepts, of M rows within `nf4.linear.config.routes_matmul_4bit` for the GPU, is
+    `nf4.linear(A, B, quant_state, bias)` (copied into `out` when given, as bitsandbytes does); a call
+    nf4.linear refuses (ValueError/TypeError, raised before anything is written) and every other call go
+    to the original unchanged. device_name: device index -> GPU name (tests pass their own).
+    """
+    name_of = device_name or _device_name
+    replacement = _replacements.get(original)
+    if replacement is not None:
+        return replacement
+
+    from ..linear.api import linear
+    from ..linear.config import routes_matmul_4bit
+
+    @functools.wraps(original)
+    def matmul_4bit(A, B, quant_state, out=None, bias=None):
+        if _patches and _fused_linear:
+            m = _linear_rows(A, quant_state, out, bias)
+            if m and routes_matmul_4bit(name_of(A.device.index) if A.device.type == "cuda" else "", m):
+                try:
+                    result = linear(A, B, quant_state, bias)
+                except (ValueError, TypeError):
+                    pass
+                else:
+                    _count("matmul_4bit", "nf4")
+                    if out is not None:
+                        out.copy_(result)
+                        return out
+                    return result
+        _count("matmul_4bit", "bitsandbytes")
+        return original(A, B, quant_state, out, bias)
+
+    matmul_4bit._nf4_original = original
+    _replacements[original] = matmul_4bit
+    _fused_originals.add(id(original))
+    return matmul_4bit
+
+
 # --- patching -------------------------------------------------------------------------------------
 
 
@@ -275,11 +352,13 @@ def _original_of(value):
     return original if original is not None and _replacements.get(original) is value else value
 
 
-def _targets() -> list[tuple[object, object]]:
-    """(original, replacement) for each function this bitsandbytes has that is routed."""
+def _targets(fused_linear: bool) -> list[tuple[object, object]]:
+    """(original, replacement) for each function this bitsandbytes has that is routed in this mode."""
     import bitsandbytes.functional  # runs bitsandbytes/__init__, which loads the CUDA backend when CUDA is there
 
     found = [(bitsandbytes.functional.dequantize_4bit, route_dequantize_4bit)]
+    if fused_linear and callable(getattr(bitsandbytes, "matmul_4bit", None)):
+        found.append((bitsandbytes.matmul_4bit, route_matmul_4bit))
     cuda_ops = sys.modules.get("bitsandbytes.backends.cuda.ops")
     if cuda_ops is not None and callable(getattr(cuda_ops, "_dequant_linear_fallback", None)):
         found.append((cuda_ops._dequant_linear_fallback, route_dequant_linear_fallback))
@@ -299,14 +378,26 @@ def _bitsandbytes_modules():
             yield name, module
 
 
-def patch_bitsandbytes() -> None:
+def patch_bitsandbytes(*, fused_linear: bool = False) -> None:
     """Route bitsandbytes' NF4 dequantization through nf4 (see the module docstring). Idempotent.
 
     Imports bitsandbytes. Every binding in a loaded `bitsandbytes.*` module that holds one of the
     routed functions is replaced; a binding patched already is left as it is.
+    fused_linear: also send bitsandbytes' `matmul_4bit` of few rows to `nf4.linear` (faster, not
+    bit-identical to bitsandbytes; see the module docstring). The mode is what the last call asked:
+    a call without it puts `matmul_4bit` back.
     """
+    global _fused_linear
+    if not isinstance(fused_linear, (bool, np.bool_)):
+        raise TypeError(f"fused_linear must be True or False, got {type(fused_linear).__name__} {fused_linear!r}")
     with _lock:
-        targets = _targets()
+        fused_linear = bool(fused_linear)
+        if not fused_linear:
+            for key, (original, _) in list(_patches.items()):
+                if id(original) in _fused_originals:
+                    _restore(key)
+        _fused_linear = fused_linear
+        targets = _targets(fused_linear)
         for name, module in _bitsandbytes_modules():
             for attr, value in list(vars(module).items()):
                 for original, replacement in targets:
@@ -329,9 +420,16 @@ def _restore(key) -> None:
 
 def unpatch_bitsandbytes() -> None:
     """Put back the original objects in every binding patched. A no-op when nothing is patched."""
+    global _fused_linear
     with _lock:
         for key in list(_patches):
             _restore(key)
+        _fused_linear = False
+
+
+def fused_linear_on() -> bool:
+    """Whether the fused_linear mode is on (bitsandbytes' matmul_4bit of few rows goes to nf4.linear)."""
+    return bool(_patches) and _fused_linear
 
 
 def patched_names() -> list[tuple[str, str]]:
@@ -340,19 +438,21 @@ def patched_names() -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def patched_bitsandbytes():
+def patched_bitsandbytes(*, fused_linear: bool = False):
     """Patch for the duration of a `with` block; on exit (an exception too) restore the state before it.
 
     Bindings this block patched are unpatched; bindings patched before it stay patched (and are
-    patched again if something inside the block unpatched them).
+    patched again if something inside the block unpatched them); the fused_linear mode comes back too.
     """
+    global _fused_linear
     with _lock:
-        before = dict(_patches)
-    patch_bitsandbytes()
+        before, mode_before = dict(_patches), _fused_linear
+    patch_bitsandbytes(fused_linear=fused_linear)
     try:
         yield
     finally:
         with _lock:
+            _fused_linear = mode_before
             for key in list(_patches):
                 if key not in before:
                     _restore(key)

@@ -451,6 +451,21 @@ def _forward(x, packed, w, bias, config, ftz):
     return torch.nn.functional.linear(x, wt.to(x.dtype), bias)
 
 
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+
+
+def _repeat(x, packed, quant_state, w: _Weight, bias):
+    """`run` for a repeat call that needs no checks beyond these (else None: the full path decides)."""
+    if (x.dtype in _X_DTYPES and w.fused and x.is_cuda and x.get_device() == w.device.index and x.shape[-1] == w.K
+            and w.matches(quant_state, packed)
+            and (bias is None or (type(bias) is torch.Tensor and bias.dtype is x.dtype and bias.dim() == 1
+                                  and bias.shape[0] == w.N and bias.get_device() == w.device.index))
+            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+            and not torch.compiler.is_compiling()):
+        return run(x, packed, w, bias)
+    return None
+
+
 def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None = None, *,
            config: LinearConfig | None = None, ftz: bool | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) for an NF4 weight W of shape (out_features, in_features).
@@ -466,13 +481,18 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
     # The repeat call: a validated weight, x of a fused dtype, no autograd, not compiling.
     if quant_state is not None and config is None and ftz is None:
         w = _weights.get(id(quant_state))
-        if (w is not None and type(x) is torch.Tensor and x.dtype in _X_DTYPES and w.fused and x.is_cuda
-                and x.get_device() == w.device.index and x.shape[-1] == w.K and w.matches(quant_state, weight)
-                and (bias is None or (type(bias) is torch.Tensor and bias.dtype is x.dtype and bias.dim() == 1
-                                      and bias.shape[0] == w.N and bias.get_device() == w.device.index))
-                and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
-                and not torch.compiler.is_compiling()):
-            return run(x, weight, w, bias)
+        if w is not None and type(x) is torch.Tensor:
+            if type(weight) is torch.Tensor:
+                y = _repeat(x, weight, quant_state, w, bias)
+            elif isinstance(weight, torch.Tensor):
+                # A Params4bit (bitsandbytes' Linear4bit passes its weight so) turns every method call into a
+                # Python __torch_function__ dispatch; none is needed to read its metadata and pointer.
+                with _NO_TORCH_FUNCTION():
+                    y = _repeat(x, weight, quant_state, w, bias)
+            else:
+                y = None
+            if y is not None:
+                return y
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
         bias = getattr(weight, "bias", None)  # a Linear4bit brings its bias
         if isinstance(bias, torch.Tensor) and isinstance(x, torch.Tensor) and bias.dtype != x.dtype:

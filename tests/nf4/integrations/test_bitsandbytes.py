@@ -624,7 +624,215 @@ def test_linear4bit_cuda_gemm_route(nf4h):
     assert small.shape == (1, 96)
 
 
-# --- 5. import nf4 alone ---------------------------------------------------------------------------
+# --- 5. the opt-in fused route: matmul_4bit of few rows to nf4.linear ------------------------------
+
+MM = "matmul_4bit"
+
+
+def _within_bound(got, x, layer, name):
+    """got (x @ W^T + bias, summed in float32 in any order) within reference.linear.accumulation_bound of the
+    float64 product of bitsandbytes' own dequantized weight (W in x's dtype, as bitsandbytes multiplies)."""
+    from reference.linear import accumulation_bound
+
+    w = F.dequantize_4bit(layer.weight, layer.weight.quant_state).to(x.dtype).float().cpu().numpy()
+    xs = x.float().cpu().numpy().reshape(-1, w.shape[1])
+    b = layer.bias.detach().to(x.dtype).float().cpu().numpy()
+    exact = xs.astype("float64") @ w.astype("float64").T + b
+    bound = accumulation_bound(xs, w, {torch.bfloat16: "bfloat16", torch.float16: "float16"}[x.dtype], bias=b)
+    err = abs(got.float().cpu().numpy().reshape(exact.shape) - exact)
+    assert (err <= bound).all(), f"{name}: worst error / bound {(err / bound).max():.3f}"
+
+
+def test_fused_mode_bindings_and_restore():
+    """fused_linear=True also patches every binding of bitsandbytes.matmul_4bit; a later patch without it
+    puts back the original objects there (the mode is the last call's); unpatch and the context manager
+    restore every binding and the mode; a non-bool mode is a TypeError naming the argument."""
+    from nf4.integrations.bitsandbytes import fused_linear_on
+
+    original = bnb.matmul_4bit
+    before = _bnb_bindings()
+    holding = _holding(original)
+    assert ("bitsandbytes", MM) in holding
+    nf4.patch_bitsandbytes(fused_linear=True)
+    assert fused_linear_on()
+    assert set(holding) <= set(patched_names())
+    assert bnb.matmul_4bit is not original and bnb.matmul_4bit._nf4_original is original
+    assert not _holding(original)
+    nf4.patch_bitsandbytes()  # the plain mode: matmul_4bit back, dequantize_4bit still routed
+    assert not fused_linear_on() and bnb.matmul_4bit is original
+    assert not set(holding) & set(patched_names()) and ("bitsandbytes.functional", DQ) in patched_names()
+    nf4.unpatch_bitsandbytes()
+    _assert_same_bindings(before, _bnb_bindings())
+    with nf4.patched_bitsandbytes():
+        with nf4.patched_bitsandbytes(fused_linear=True):
+            assert fused_linear_on() and bnb.matmul_4bit is not original
+        assert not fused_linear_on() and bnb.matmul_4bit is original
+        assert ("bitsandbytes.functional", DQ) in patched_names()
+    _assert_same_bindings(before, _bnb_bindings())
+    nf4.patch_bitsandbytes(fused_linear=True)
+    with nf4.patched_bitsandbytes():  # a plain block inside the fused mode: fused again after it
+        assert bnb.matmul_4bit is original and not fused_linear_on()
+    assert fused_linear_on() and bnb.matmul_4bit is not original
+    nf4.unpatch_bitsandbytes()
+    assert not fused_linear_on()
+    _assert_same_bindings(before, _bnb_bindings())
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="fused_linear must be True or False"):
+            nf4.patch_bitsandbytes(fused_linear=bad)
+    _assert_same_bindings(before, _bnb_bindings())
+
+
+@pytest.mark.parametrize("m", [0, 1, 32, 33, 1000])
+@pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "Some Other GPU", ""])
+def test_routes_matmul_4bit_limits(device_name, m):
+    """The fused route's row limit per GPU: 1 to the GPU's ROUTE_MATMUL_4BIT_MAX_M (the default GPU's for
+    another GPU and for the interpreter's "")."""
+    from nf4.linear.config import DEFAULT_GPU, ROUTE_MATMUL_4BIT_MAX_M, routes_matmul_4bit
+
+    limit = next((v for gpu, v in ROUTE_MATMUL_4BIT_MAX_M.items() if device_name and gpu in device_name),
+                 ROUTE_MATMUL_4BIT_MAX_M[DEFAULT_GPU])
+    assert routes_matmul_4bit(device_name, m) is (1 <= m <= limit)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_fused_route_conditions(nf4h, double_quant):
+    """The matmul_4bit replacement on CPU tensors (interpreter): what it gives nf4.linear (bit for bit
+    nf4.linear's own result, `out` filled and returned) and what it leaves to the original with the
+    caller's arguments: FP4, a [K, N] weight, fp32 x, rows past the limit, a bias nf4.linear refuses
+    (float32 for bf16 x), the plain mode, and after unpatching."""
+    from nf4.integrations.bitsandbytes import route_matmul_4bit
+
+    seed = nf4h.case_seed("bnb-fused-conditions", double_quant)
+    packed, state = nf4h.quantize((37, 128), torch.bfloat16, 64, double_quant, seed=seed)
+    calls = []
+
+    def original(A, B, quant_state, out=None, bias=None):
+        calls.append((A, B, quant_state, out, bias))
+        return "original"
+
+    route = route_matmul_4bit(original, device_name=lambda index: "NVIDIA H100 80GB HBM3")
+    assert route_matmul_4bit(original) is route  # one replacement per original
+    a = nf4h.make_weight((3, 5, 128), torch.bfloat16, seed + 1)
+    bias = nf4h.make_weight((37,), torch.bfloat16, seed + 2)
+    expect = nf4.linear(a, packed, state, bias)
+    with nf4.patched_bitsandbytes(fused_linear=True):
+        got = route(a, packed, state, bias=bias)
+        assert _counts(MM) == (1, 0) and not calls
+        assert_bitexact(got, expect, name="routed")
+        out = nf4h.poison(torch.empty((3, 5, 37), dtype=torch.bfloat16))
+        assert route(a, packed, state, out=out, bias=bias) is out
+        assert_bitexact(out, expect, name="routed into out")
+        reset_routed_counts()
+        w_fp4 = nf4h.make_weight((37, 128), torch.float32, seed + 3)
+        packed_fp4, state_fp4 = F.quantize_4bit(w_fp4, blocksize=64, compress_statistics=double_quant,
+                                                quant_type="fp4")
+        _, state_kn = nf4h.quantize((128, 37), torch.bfloat16, 64, double_quant, seed=seed + 4)
+        declined = [
+            (a, packed_fp4, state_fp4, None, None),  # FP4
+            (nf4h.make_weight((4, 128), torch.bfloat16, seed + 5), packed, state_kn, None, None),  # [K, N]
+            (a.float(), packed, state, None, bias.float()),  # fp32 x
+            (nf4h.make_weight((33, 128), torch.bfloat16, seed + 6), packed, state, None, bias),  # past 32 rows
+            (a, packed, state, None, bias.float()),  # a float32 bias for bf16 x: nf4.linear raises, bnb decides
+        ]
+        for args in declined:
+            assert route(*args) == "original"
+            assert all(x is y for x, y in zip(calls[-1], args, strict=True))
+        assert _counts(MM) == (0, len(declined))
+    with nf4.patched_bitsandbytes():  # the plain mode: the replacement routes nothing
+        assert route(a, packed, state, bias=bias) == "original"
+    assert route(a, packed, state, bias=bias) == "original"  # not patched
+
+
+@needs_interpreter
+@pytest.mark.parametrize("compress_statistics", [True, False], ids=["dq", "nodq"])
+def test_linear4bit_cpu_fused_route(nf4h, compress_statistics):
+    """A Linear4bit in the fused mode (interpreter): 1 and 15 rows go to nf4.linear (its output and input
+    gradient bit for bit, within the float32 accumulation bound of the exact product), 33 rows to
+    bitsandbytes (bit-identical to unpatched); a float32 compute dtype stays with bitsandbytes."""
+    seed = nf4h.case_seed("bnb-fused-linear4bit", compress_statistics)
+    layer = _linear4bit(nf4h, 128, 37, seed, compress_statistics=compress_statistics,
+                        compute_dtype=torch.bfloat16, device="cpu")
+    qs = layer.weight.quant_state
+    for i, lead in enumerate([(1,), (3, 5), (33,)]):
+        x = nf4h.make_weight((*lead, 128), torch.bfloat16, seed + 10 + i)
+        y0, g0, _ = _forward_backward(layer, x)
+        reset_routed_counts()
+        with nf4.patched_bitsandbytes(fused_linear=True):
+            y1, g1, after_forward = _forward_backward(layer, x)
+        if lead == (33,):
+            assert after_forward.get((MM, "bitsandbytes")) == 1 and (MM, "nf4") not in after_forward
+            assert_bitexact(y1, y0, name="33 rows: bitsandbytes")
+            assert_bitexact(g1, g0, name="33 rows: input gradient")
+            continue
+        assert after_forward == {(MM, "nf4"): 1}, after_forward
+        xe = x.detach().clone().requires_grad_(True)
+        ye = nf4.linear(xe, layer.weight, qs, layer.bias.to(torch.bfloat16))
+        ye.sum().backward()
+        assert_bitexact(y1, ye.detach(), name=f"{lead}: nf4.linear")
+        assert_bitexact(g1, xe.grad, name=f"{lead}: nf4.linear input gradient")
+        _within_bound(y1, x, layer, f"{lead}: routed forward")
+    layer32 = _linear4bit(nf4h, 128, 19, seed + 1, compress_statistics=compress_statistics,
+                          compute_dtype=torch.float32, device="cpu")
+    x = nf4h.make_weight((2, 128), torch.float32, seed + 20)
+    y0, _, _ = _forward_backward(layer32, x)
+    reset_routed_counts()
+    with nf4.patched_bitsandbytes(fused_linear=True):
+        y1, _, after_forward = _forward_backward(layer32, x)
+    assert after_forward == {(MM, "bitsandbytes"): 1}
+    assert_bitexact(y1, y0, name="float32 compute dtype")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compress_statistics", [True, False], ids=["dq", "nodq"])
+def test_linear4bit_cuda_fused_route(nf4h, compress_statistics):
+    """CUDA, the fused mode: a Linear4bit forward of 1, 5, 16 and 32 rows (no grad, as in decode; and 5 rows
+    with grad) is nf4.linear's (bit for bit, its tensor-core GEMV; within the float32 accumulation bound of
+    the exact product), 33 rows bitsandbytes' path as in the plain mode; torch.compile(fullgraph=True) of
+    the patched layer at one row gives the eager bits."""
+    from nf4.linear.config import routes_matmul_4bit
+
+    name = torch.cuda.get_device_name(0)
+    seed = nf4h.case_seed("bnb-fused-cuda", compress_statistics)
+    layer = _linear4bit(nf4h, 512, 333, seed, compress_statistics=compress_statistics,
+                        compute_dtype=torch.bfloat16, device="cuda")
+    qs, bias = layer.weight.quant_state, layer.bias.to(torch.bfloat16)
+    for m in (1, 5, 16, 32, 33):
+        x = nf4h.make_weight((m, 512), torch.bfloat16, seed + m, "cuda")
+        with torch.no_grad():
+            plain = layer(x)
+            reset_routed_counts()
+            with nf4.patched_bitsandbytes(fused_linear=True):
+                got = layer(x)
+                again = layer(x)  # the repeat call (a Params4bit weight, bound launch)
+            expect = nf4.linear(x, layer.weight.data, qs, bias)
+        if not routes_matmul_4bit(name, m):
+            assert _counts(MM) == (0, 2)
+            assert_bitexact(got, plain, name=f"M={m}: bitsandbytes")
+            continue
+        assert _counts(MM) == (2, 0)
+        assert_bitexact(got, expect, name=f"M={m}")
+        assert_bitexact(again, expect, name=f"M={m}, repeat call")
+        _within_bound(got, x, layer, f"M={m}")
+    x = nf4h.make_weight((5, 512), torch.bfloat16, seed + 99, "cuda")
+    with nf4.patched_bitsandbytes(fused_linear=True):
+        y1, g1, after_forward = _forward_backward(layer, x)
+    assert after_forward == {(MM, "nf4"): 1}
+    xe = x.detach().clone().requires_grad_(True)
+    ye = nf4.linear(xe, layer.weight, qs, bias)
+    ye.sum().backward()
+    assert_bitexact(y1, ye.detach(), name="with grad")
+    assert_bitexact(g1, xe.grad, name="input gradient")
+    x1 = nf4h.make_weight((1, 512), torch.bfloat16, seed + 100, "cuda")
+    with torch.no_grad(), nf4.patched_bitsandbytes(fused_linear=True):
+        eager = layer(x1)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+        assert_bitexact(compiled(x1), eager, name="compiled, one row")
+
+
+# --- 6. import nf4 alone ---------------------------------------------------------------------------
 
 
 def test_import_nf4_does_not_import_bitsandbytes():
