@@ -8,11 +8,22 @@ They import nothing outside torch and triton but `unsloth_zoo.utils.Version`; wh
 the files are imported. The files run as modules of a private package (`PACKAGE`), so the full
 `unsloth` package (and its import-time patching of transformers and friends) is never imported.
 
+A fourth file is pinned and extracted with them but imported only on request:
+`unsloth/kernels/bnb_override.py`, the release's replacement of bitsandbytes' `Linear4bit.forward`
+(install / uninstall functions, and its own rule for when it is on by default). It reaches the
+kernels only through `from . import utils`, the release's `unsloth/kernels/utils.py`, which cannot
+be imported without the whole package. `Release.bnb_override()` therefore first puts a module of
+ours at `PACKAGE.kernels.utils` offering the three names the override uses (`fast_dequantize` and
+`fast_gemv`, which hand over to `Release.fast_dequantize` / `Release.fast_gemv`, and the flag
+`_USE_NF4_KERNELS`, True), then imports the released file unchanged on top of it; the `Override`
+it returns installs, uninstalls and reports on the release's forward (see `Override`).
+
 Why this way: Unsloth is AGPL-3.0. Its code must never be copied into this repository, not even a
 line; it is run as a peer, from the released files, checked against pinned sha256 hashes. What this
-module adds is ours: the loading, and `Release.fast_dequantize` / `Release.fast_gemv`, which pass
+module adds is ours: the loading, `Release.fast_dequantize` / `Release.fast_gemv`, which pass
 a QuantState's fields to those entry points as the release's `unsloth/kernels/utils.py`
-(`fast_dequantize`, `fast_gemv`, CUDA branch) does, written here from reading it.
+(`fast_dequantize`, `fast_gemv`, CUDA branch) does, written here from reading it, and the
+stand-in `utils` module and `Override` around the released override.
 
 How to fetch (the files live in the git-ignored `.peers/`, which also travels to the GPU machine):
 
@@ -20,9 +31,10 @@ How to fetch (the files live in the git-ignored `.peers/`, which also travels to
     python -m verify.unsloth_release extract /tmp/peers/unsloth-2026.10.9-py3-none-any.whl
 
 The second command checks the wheel's sha256, checks each file against the wheel's RECORD, and
-writes `<repo>/.peers/unsloth-2026.10.9/unsloth/kernels/{nf4,nf4_gemv,triton_launch}.py` (the
-wheel's layout), the wheel's license files, and `MANIFEST.json` (wheel name and sha256, each
+writes `<repo>/.peers/unsloth-2026.10.9/unsloth/kernels/{nf4,nf4_gemv,triton_launch,bnb_override}.py`
+(the wheel's layout), the wheel's license files, and `MANIFEST.json` (wheel name and sha256, each
 file's sha256). `load()` looks for the folder in its argument, else `$NF4_UNSLOTH_DIR`, else there.
+A folder extracted before the override was pinned fails the check: extract it again.
 """
 
 from __future__ import annotations
@@ -46,12 +58,17 @@ from pathlib import Path
 VERSION = "2026.10.9"
 WHEEL = f"unsloth-{VERSION}-py3-none-any.whl"
 WHEEL_SHA256 = "feb40b99bc4f8c543a36cbd0fe6e1410d6e4ac16bd4d0c731f607adce3d63bb0"
-# The kernel files, in import order (each imports only the ones before it), with their sha256.
-FILES = {
+# The kernel files that `load()` imports, in import order (each imports only the ones before it), with their sha256.
+KERNEL_FILES = {
     "unsloth/kernels/triton_launch.py": "e7028f1c76f6c1a7d6085694823d70603e45dcce392a5b10f4dd0300ea133ada",
     "unsloth/kernels/nf4.py": "f4dd101d1dd86e46a1e096aea1ad19fb27d8e39233cfb99a61240ca495d44a52",
     "unsloth/kernels/nf4_gemv.py": "65cb275129e4cd5255c9b29da1c582133ea3f37a92656888803fdda22125c98b",
 }
+# The release's replacement of bitsandbytes' Linear4bit.forward, imported only by `Release.bnb_override()`.
+OVERRIDE_FILE = "unsloth/kernels/bnb_override.py"
+OVERRIDE_SHA256 = "bfc17983facbe2b5cf96352caa4d3bd510d75d554b20ed0dfd7279dd02651599"
+# Every pinned file: what `extract` copies, MANIFEST.json lists and `verify_release` checks.
+FILES = {**KERNEL_FILES, OVERRIDE_FILE: OVERRIDE_SHA256}
 LICENSES = (f"unsloth-{VERSION}.dist-info/licenses/COPYING", f"unsloth-{VERSION}.dist-info/licenses/LICENSE")
 MANIFEST = "MANIFEST.json"
 ENV = "NF4_UNSLOTH_DIR"
@@ -87,7 +104,8 @@ def _missing(root: Path, what: str) -> FileNotFoundError:
         f"Fetch and extract them (they are AGPL-3.0: run as a peer, never copied into the repository):\n"
         f"    {PIP_DOWNLOAD}\n"
         f"    {EXTRACT}\n"
-        f"which writes {DEFAULT_ROOT}/unsloth/kernels/{{nf4,nf4_gemv,triton_launch}}.py and {MANIFEST}."
+        f"which writes {DEFAULT_ROOT}/unsloth/kernels/{{{','.join(Path(rel).stem for rel in FILES)}}}.py "
+        f"and {MANIFEST}."
     )
 
 
@@ -116,7 +134,8 @@ def verify_release(root: str | os.PathLike | None = None, *, expected: dict[str,
         raise IntegrityError(f"{manifest_path}: wheel_sha256 {manifest.get('wheel_sha256')!r}, pinned {wheel_sha256}")
     listed = manifest.get("files") or {}
     if set(listed) != set(expected):
-        raise IntegrityError(f"{manifest_path}: files {sorted(listed)}, expected {sorted(expected)}")
+        raise IntegrityError(f"{manifest_path}: files {sorted(listed)}, expected {sorted(expected)}; "
+                             f"extract them again from the wheel ({EXTRACT})")
     for rel, pinned in expected.items():
         path = root / rel
         if not path.is_file():
@@ -155,7 +174,7 @@ def _record_hashes(wheel: zipfile.ZipFile) -> dict[str, str]:
 def extract(wheel: str | os.PathLike, dest: str | os.PathLike | None = None, *,
             expected: dict[str, str] | None = None, wheel_sha256: str | None = WHEEL_SHA256,
             licenses: tuple[str, ...] = LICENSES) -> Path:
-    """Copy the kernel files (and license files) out of the wheel into `dest`, write MANIFEST.json.
+    """Copy the pinned files (and license files) out of the wheel into `dest`, write MANIFEST.json.
 
     The wheel must hash as pinned (unless `wheel_sha256` is None) and every file as the wheel's
     RECORD and `expected` (default `FILES`) say. Returns the folder (default DEFAULT_ROOT).
@@ -295,6 +314,21 @@ def _package(name: str, doc: str) -> types.ModuleType:
     return module
 
 
+def _import_file(root: Path, rel: str, sha: str, created: list[str]) -> types.ModuleType:
+    """Import one file as PACKAGE.kernels.<stem> through the verified loader (the package must exist);
+    its name is appended to `created` before it runs, so a caller can undo a failed import."""
+    stem = Path(rel).stem
+    name = f"{PACKAGE}.kernels.{stem}"
+    path = str(root / rel)
+    spec = importlib.util.spec_from_file_location(name, path, loader=_VerifiedLoader(name, path, sha))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    created.append(name)
+    spec.loader.exec_module(module)
+    setattr(sys.modules[f"{PACKAGE}.kernels"], stem, module)
+    return module
+
+
 def _import_release(root: Path, files: dict[str, str]) -> dict[str, types.ModuleType]:
     """Import the files as PACKAGE.kernels.<stem> (relative imports resolve inside PACKAGE.kernels)."""
     import torch
@@ -309,21 +343,129 @@ def _import_release(root: Path, files: dict[str, str]) -> dict[str, types.Module
     modules = {}
     try:
         for rel, sha in files.items():
-            stem = Path(rel).stem
-            name = f"{PACKAGE}.kernels.{stem}"
-            path = str(root / rel)
-            spec = importlib.util.spec_from_file_location(name, path, loader=_VerifiedLoader(name, path, sha))
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            created.append(name)
-            spec.loader.exec_module(module)
-            setattr(kernels, stem, module)
-            modules[stem] = module
+            modules[Path(rel).stem] = _import_file(root, rel, sha, created)
     except BaseException:
         for name in created:
             sys.modules.pop(name, None)
         raise
     return modules
+
+
+# --- the release's bnb_override.py, on a stand-in for the release's utils.py ----------------------
+
+
+def _utils_standin(release: Release) -> types.ModuleType:
+    """Our module put at PACKAGE.kernels.utils before the release's bnb_override.py is imported: the
+    three names that file takes from the release's utils.py, and nothing else."""
+    name = f"{PACKAGE}.kernels.utils"
+    module = types.ModuleType(name, (
+        f"nf4-triton's stand-in (verify/unsloth_release.py), not Unsloth's code: it stands for the release's "
+        f"unsloth/kernels/utils.py, which imports the whole unsloth package, and offers only what "
+        f"{OVERRIDE_FILE} uses from it: fast_dequantize and fast_gemv (handing over to Release.fast_dequantize "
+        f"and Release.fast_gemv, our statement of that file's NF4 CUDA path) and _USE_NF4_KERNELS (True)."))
+
+    def fast_dequantize(W, quant_state=None, out=None, use_global_buffer=False, dtype=None):
+        # The release's utils.py uses `dtype` only for FP8 weights (the dequantized dtype); an NF4
+        # QuantState dequantizes to its own dtype, so `dtype` is ignored here. (The release's function
+        # also runs under torch.inference_mode; this one does not: the same values, a plain tensor.)
+        return release.fast_dequantize(W, quant_state, out=out, use_global_buffer=use_global_buffer)
+
+    def fast_gemv(X, W, quant_state, out=None):
+        return release.fast_gemv(X, W, quant_state, out=out)
+
+    for function in (fast_dequantize, fast_gemv):
+        function.__module__ = name
+        function.__qualname__ = function.__name__
+        setattr(module, function.__name__, function)
+    module._USE_NF4_KERNELS = True  # the release's flag: its NF4 kernels loaded and have not failed
+    return module
+
+
+def _import_override(release: Release) -> types.ModuleType:
+    """The release's bnb_override.py as PACKAGE.kernels.bnb_override, on our stand-in utils."""
+    verify_release(release.root)  # every pinned file, the override among them, still as extracted
+    if sys.modules.get(f"{PACKAGE}.kernels") is not release.kernels_package:
+        raise RuntimeError(f"{PACKAGE}.kernels is not the package {release!r} was loaded into")
+    utils_name = f"{PACKAGE}.kernels.utils"
+    created = [utils_name]
+    sys.modules[utils_name] = release.kernels_package.utils = _utils_standin(release)
+    try:
+        with _version_provider():
+            return _import_file(release.root, OVERRIDE_FILE, OVERRIDE_SHA256, created)
+    except BaseException:
+        for name in created:
+            sys.modules.pop(name, None)
+            if hasattr(release.kernels_package, name.rsplit(".", 1)[1]):
+                delattr(release.kernels_package, name.rsplit(".", 1)[1])
+        raise
+
+
+class Override:
+    """The release's `bnb_override.py` (its `Linear4bit.forward` replacement), loaded by `Release.bnb_override()`.
+
+    `module` is the released module itself. The release installs itself only where its own rule says
+    (`default_on()`) unless UNSLOTH_BNB_NF4_LINEAR=1 was set when it was imported; `install(force=True)`
+    has that effect by setting the module's `_LINEAR` (what it read from that variable) to "1", and
+    `uninstall()` puts the read value back. UNSLOTH_BNB_TRITON=0 (read at import) still refuses.
+    """
+
+    def __init__(self, release: Release, module: types.ModuleType):
+        self.release = release
+        self.module = module
+        self.file = OVERRIDE_FILE
+        self.sha256 = release.files[OVERRIDE_FILE]
+        self._linear = module._LINEAR  # UNSLOTH_BNB_NF4_LINEAR as the module read it ("auto" when unset)
+        self.forced = False  # whether the last install() forced it
+
+    def provenance(self) -> dict:
+        return {**self.release.provenance(), "override": self.file}
+
+    def __repr__(self):
+        return f"<Unsloth {self.release.version} {self.file}{' (installed)' if self.installed() else ''}>"
+
+    def default_on(self) -> bool:
+        """The release's own decision for this machine with UNSLOTH_BNB_NF4_LINEAR unset: its
+        `_default_on` with every CUDA GPU's capability (none without CUDA: False), whether
+        bitsandbytes has its fused 4-bit GEMM (the release's `_bnb_has_fused_gemm`), and ROCm."""
+        import bitsandbytes  # noqa: F401 - registers torch.ops.bitsandbytes.*, which the release looks for
+        import torch
+
+        capabilities = ([tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]
+                        if torch.cuda.is_available() else [])
+        return bool(self.module._default_on(capabilities, self.module._bnb_has_fused_gemm(),
+                                            torch.version.hip is not None))
+
+    def install(self, force: bool = False) -> bool:
+        """The release's `install_bnb_nf4_override()` (its result: whether its forward is installed);
+        with `force`, as under UNSLOTH_BNB_NF4_LINEAR=1."""
+        if force:
+            self.module._LINEAR = "1"
+            self.forced = True
+        return bool(self.module.install_bnb_nf4_override())
+
+    def uninstall(self) -> None:
+        """The release's `uninstall_bnb_nf4_override()` (puts back the forward it replaced); `_LINEAR`
+        goes back to the value read at import."""
+        try:
+            self.module.uninstall_bnb_nf4_override()
+        finally:
+            self.module._LINEAR = self._linear
+            self.forced = False
+
+    def installed(self) -> bool:
+        """Whether bitsandbytes' `Linear4bit.forward` is now the release's replacement (it carries the
+        release's mark attribute)."""
+        import bitsandbytes as bnb
+
+        return bool(getattr(bnb.nn.Linear4bit.forward, self.module._MARK, False))
+
+    @contextlib.contextmanager
+    def installed_override(self, force: bool = False):
+        """`install(force)` for the block (yields its result), then `uninstall()`, whatever happens."""
+        try:
+            yield self.install(force=force)
+        finally:
+            self.uninstall()
 
 
 # --- the release object, and Unsloth's fast_dequantize / fast_gemv argument plumbing -------------
@@ -403,6 +545,8 @@ class Release:
         self._default_streams = {}
         self._dequant_plans = _Plans()
         self._gemv_plans = _Plans()
+        self.kernels_package = sys.modules.get(f"{PACKAGE}.kernels")  # PACKAGE.kernels, where the files live
+        self._override = None
 
     def provenance(self) -> dict:
         return {"peer": "unsloth", "version": self.version, "wheel_sha256": self.wheel_sha256,
@@ -410,6 +554,13 @@ class Release:
 
     def __repr__(self):
         return f"<Unsloth {self.version} NF4 kernels from {self.root}{' (Version shim)' if self.shim else ''}>"
+
+    def bnb_override(self) -> Override:
+        """The release's bnb_override.py, imported (once per Release) on our stand-in for its utils.py
+        (see the module docstring and `Override`). Importing it changes nothing in bitsandbytes."""
+        if self._override is None:
+            self._override = Override(self, _import_override(self))
+        return self._override
 
     # Unsloth's conditions for its Triton path (utils.py); elsewhere it would run bitsandbytes' kernels.
     @staticmethod
@@ -579,7 +730,7 @@ def load(root: str | os.PathLike | None = None) -> Release:
             raise RuntimeError(f"{loaded!r} is loaded already; {path} holds other files")
         return loaded
     with _version_provider() as shim:
-        modules = _import_release(path, FILES)
+        modules = _import_release(path, KERNEL_FILES)
     release = Release(path, manifest, modules, shim)
     _LOADED.append(release)
     return release
@@ -588,7 +739,7 @@ def load(root: str | os.PathLike | None = None) -> Release:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verify.unsloth_release", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("extract", help=f"extract the kernel files of {WHEEL} and write {MANIFEST}")
+    ex = sub.add_parser("extract", help=f"extract the pinned files of {WHEEL} and write {MANIFEST}")
     ex.add_argument("wheel", type=Path)
     ex.add_argument("--dest", type=Path, default=None, help=f"default {DEFAULT_ROOT}")
     ck = sub.add_parser("check", help="verify the extracted files and print their provenance")
