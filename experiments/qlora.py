@@ -22,27 +22,39 @@ through a temp dir and does not depend on transformers' loading code, which chan
 `peft.get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[q,k,v,o,gate,up,down]_proj,
 lora_dropout=0.0, task_type="CAUSAL_LM"))`. Gradient checkpointing off; attention `--attn` (sdpa by default).
 
+Modes (--modes; each is a context the same model runs in, interleaved A B C A B C ... so drift reaches all):
+  bnb        bitsandbytes alone;
+  nf4        inside `nf4.patched_bitsandbytes()`: bitsandbytes' NF4 dequantization through nf4 (bit-identical);
+  nf4_fused  inside `nf4.patched_bitsandbytes(fused_linear=True)`: also `matmul_4bit` of 1-32 rows to nf4.linear
+             (not bit-identical to bitsandbytes); decode only, as a train step's 4-bit matmuls have more rows;
+  unsloth    Unsloth 2026.10.9's own Linear4bit override, the released `unsloth/kernels/bnb_override.py` run from
+             the wheel's files (verify.unsloth_release: its kernels are the release's, the few lines of utils.py
+             plumbing it calls are our re-statement), forced on as UNSLOTH_BNB_NF4_LINEAR=1 does: the release
+             installs it by default only on sm100/sm120 with bitsandbytes >= 0.50 (`default_on` in the result says
+             what it decides on this GPU). Skipped, with the reason in the result, without the extracted release.
+
 Train step, per (batch, seq) in --shapes: seeded random token ids, labels = ids, forward (loss) + backward, no
 optimizer step (every repetition computes the same thing). Step time: CUDA events around forward + backward, median
-of --steps after 3 warm-ups, for (a) bitsandbytes alone and (b) inside `nf4.patched_bitsandbytes()`, interleaved
-(A B A B ...) so drift reaches both. Each run records the loss bits (float32 as int32) and a sha256 over every LoRA
-parameter's .grad (sorted by name, raw bytes). `bnb_deterministic`: every bitsandbytes-alone run (warm-ups too) gave
-the same loss bits and digest; `bitexact_vs_bnb`: every nf4 run gave exactly that (None, not claimed, when
-bitsandbytes alone is not deterministic; see `note`). `routed` counts the calls of one step that went to nf4 and to
-bitsandbytes (`nf4.integrations.bitsandbytes.routed_counts()`).
+of --steps after 3 warm-ups, per mode, interleaved. Each run records the loss bits (float32 as int32) and a
+sha256 over every LoRA parameter's .grad (sorted by name, raw bytes). `bnb_deterministic`: every bitsandbytes-alone
+run (warm-ups too) gave the same loss bits and digest; `bitexact_vs_bnb`: every nf4 run gave exactly that (None, not
+claimed, when bitsandbytes alone is not deterministic; see `note`). `routed` counts the calls of one step that
+went to nf4 and to bitsandbytes (`nf4.integrations.bitsandbytes.routed_counts()`), and for the unsloth mode the
+calls of the release's fast_dequantize / fast_gemv. `modes` holds every mode other than bnb with the same
+statistics (the top-level nf4 keys are the nf4 mode's).
 
 Decode: the same model (LoRA attached, eval, no grad), a 16-token seeded prompt, then --decode-tokens single-token
 forward passes with the KV cache (a greedy loop with past_key_values, what generate(do_sample=False) does, without
 its stopping rules), timed with torch.cuda.synchronize + time.perf_counter; tokens/s for both, interleaved over
 --decode-reps, and whether the generated ids are identical. Single-token 4-bit matmuls without grad go to
-bitsandbytes' fused gemv kernel, which nf4 does not replace: only the prompt's forward dequantizes (see `routed`).
-
-Unsloth's own QLoRA path is not run here (its package is not installed on the GPU machine).
+bitsandbytes' fused kernel, which the nf4 mode does not replace (only the prompt's forward dequantizes, see
+`routed`); the nf4_fused mode sends them to nf4.linear, and the unsloth mode to the release's fast_gemv.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -60,7 +72,14 @@ QUICK_DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads
 QUICK = {"layers": 1, "vocab": 1024, "shapes": ["1x32"], "steps": 2, "decode_tokens": 8}
 WARMUP = 3
 PROMPT_TOKENS = 16
-UNSLOTH = "not run: Unsloth's own QLoRA override needs its package, which is not installed on the GPU machine"
+MODES = ("bnb", "nf4", "nf4_fused", "unsloth")
+MODE_TEXT = {
+    "bnb": "bitsandbytes alone",
+    "nf4": "nf4.patched_bitsandbytes(): bitsandbytes' NF4 dequantization through nf4 (bit-identical)",
+    "nf4_fused": "nf4.patched_bitsandbytes(fused_linear=True): also matmul_4bit of 1-32 rows to nf4.linear",
+    "unsloth": "Unsloth 2026.10.9's Linear4bit override (unsloth/kernels/bnb_override.py), forced on",
+}
+DECODE_ONLY = ("nf4_fused",)  # its route takes 1-32 rows: a train step's matmuls have batch x seq rows
 NONDETERMINISM_NOTE = (
     "bitsandbytes alone gave different losses or LoRA gradients for identical inputs, so bit-identity of nf4 with it "
     "is not claimed. Likely non-deterministic ops: atomics in the attention backward (SDPA's flash / "
@@ -188,6 +207,13 @@ def table(payload: dict) -> str:
         lines.append(f"| {r['shape']} | {r['bnb']['median_ms']:.2f} | {r['nf4']['median_ms']:.2f} | "
                      f"{r['speedup']:.3f}x | {_yes(r['bitexact_vs_bnb'])} | {_yes(r['bnb_deterministic'])} | "
                      f"{n_nf4} / {n_bnb} |")
+    others = [(r["shape"], mode, st) for r in payload.get("rows", []) if "error" not in r
+              for mode, st in r.get("modes", {}).items() if mode != "nf4"]
+    if others:
+        lines += ["", "| train step, other modes | mode | ms | speedup over bnb | bit-exact | calls/step |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {shape} | {mode} | {st['median_ms']:.2f} | {st['speedup']:.3f}x | "
+                  f"{_yes(st['bitexact_vs_bnb'])} | {sum(st['routed'].values())} |" for shape, mode, st in others]
     for d in payload.get("decode", []):
         if "error" in d:
             lines.append(f"\n| decode | error: {d['error'][:60]} |\n|---|---|")
@@ -196,6 +222,12 @@ def table(payload: dict) -> str:
                   "|---|---|---|---|---|",
                   f"| {d['prompt_tokens']} + {d['decode_tokens']} | {d['bnb_tok_s']:.1f} | {d['nf4_tok_s']:.1f} | "
                   f"{d['speedup']:.3f}x | {_yes(d['tokens_identical'])} |"]
+        extra = {mode: st for mode, st in d.get("modes", {}).items() if mode != "nf4"}
+        if extra:
+            lines += ["", "| decode, other modes | tok/s | speedup over bnb | same tokens as bnb |",
+                      "|---|---|---|---|"]
+            lines += [f"| {mode} | {st['tok_s']:.1f} | {st['speedup']:.3f}x | {_yes(st['tokens_identical'])} |"
+                      for mode, st in extra.items()]
     return "\n".join(lines)
 
 
@@ -307,17 +339,25 @@ class _Timer:
         return start.elapsed_time(end), result
 
 
-def train_shape(model, params, batch: int, seq: int, *, vocab: int, seed: int, steps: int, timer, device: str):
-    """Interleaved bnb / nf4 train steps on one shape: a result row."""
-    import torch
+def _mode_stats(mode: str, res: dict, routed: dict) -> dict:
+    """A mode's times, speedup over bitsandbytes alone and exactness against it, from interleave()'s result."""
+    t = summarize_ms(res[mode]["times"])
+    stats = {"ms": t, "median_ms": t["median_ms"], "speedup": res["bnb"]["median"] / t["median_ms"],
+             "routed": routed.get(mode, {})}
+    stats.update(compare(res["bnb"]["records"], res[mode]["records"]))
+    return stats
 
-    import nf4
-    from nf4.integrations import bitsandbytes as nf4_bnb
+
+def train_shape(model, params, batch: int, seq: int, *, modes: dict, vocab: int, seed: int, steps: int, timer,
+                device: str):
+    """Interleaved train steps on one shape, one run per mode per round (modes: name -> context factory, with
+    "bnb" and "nf4"): a result row."""
+    import torch
 
     gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + batch * 100_003 + seq)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
     model.train()
-    routed = {"nf4": {}, "bnb": {}}
+    routed = {mode: {} for mode in modes}
 
     def step():
         for p in params.values():
@@ -327,17 +367,15 @@ def train_shape(model, params, batch: int, seq: int, *, vocab: int, seed: int, s
         return loss
 
     def run(mode):
-        before = nf4_bnb.routed_counts()
-        if mode == "nf4":
-            with nf4.patched_bitsandbytes():
-                ms, loss = timer(step)
-        else:
+        before = routed_snapshot()
+        with modes[mode]():
             ms, loss = timer(step)
-        routed[mode] = counts_delta(before, nf4_bnb.routed_counts())
+        routed[mode] = counts_delta(before, routed_snapshot())
         return ms, (loss_bits(loss), grad_digest((n, p.grad) for n, p in params.items()))
 
-    res = interleave({"bnb": lambda: run("bnb"), "nf4": lambda: run("nf4")}, warmup=WARMUP, steps=steps)
+    res = interleave({mode: (lambda mode=mode: run(mode)) for mode in modes}, warmup=WARMUP, steps=steps)
     bnb_t, nf4_t = summarize_ms(res["bnb"]["times"]), summarize_ms(res["nf4"]["times"])
+    res["bnb"]["median"] = bnb_t["median_ms"]
     row = {"shape": f"{batch}x{seq}", "batch": batch, "seq": seq, "tokens": batch * seq, "bnb": bnb_t, "nf4": nf4_t,
            "bnb_ms": bnb_t["median_ms"], "nf4_ms": nf4_t["median_ms"],
            "speedup": bnb_t["median_ms"] / nf4_t["median_ms"],
@@ -345,7 +383,8 @@ def train_shape(model, params, batch: int, seq: int, *, vocab: int, seed: int, s
            "loss_bits": sorted({r[0] for r in res["bnb"]["records"]}),
            "loss": float(torch.tensor(res["bnb"]["records"][0][0], dtype=torch.int32).view(torch.float32)),
            "bnb_digests": sorted({r[1] for r in res["bnb"]["records"]}),
-           "nf4_digests": sorted({r[1] for r in res["nf4"]["records"]})}
+           "nf4_digests": sorted({r[1] for r in res["nf4"]["records"]}),
+           "modes": {mode: _mode_stats(mode, res, routed) for mode in modes if mode != "bnb"}}
     row.update(compare(res["bnb"]["records"], res["nf4"]["records"]))
     if not row["bnb_deterministic"]:
         row["note"] = NONDETERMINISM_NOTE
@@ -383,11 +422,9 @@ def greedy_decode(model, prompt, n: int, device: str):
     return t1 - t0, t2 - t1, torch.cat(toks, dim=1)[0].tolist()
 
 
-def decode_row(model, *, vocab: int, seed: int, tokens: int, reps: int, device: str) -> dict:
+def decode_row(model, *, modes: dict, vocab: int, seed: int, tokens: int, reps: int, device: str) -> dict:
+    """Interleaved greedy decode runs, one per mode per round (modes as in train_shape)."""
     import torch
-
-    import nf4
-    from nf4.integrations import bitsandbytes as nf4_bnb
 
     gen = torch.Generator(device="cpu").manual_seed(seed + 17)
     prompt = torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=gen).to(device)
@@ -395,18 +432,24 @@ def decode_row(model, *, vocab: int, seed: int, tokens: int, reps: int, device: 
     routed = {}
 
     def run(mode):
-        before = nf4_bnb.routed_counts()
-        if mode == "nf4":
-            with nf4.patched_bitsandbytes():
-                result = greedy_decode(model, prompt, tokens, device)
-        else:
+        before = routed_snapshot()
+        with modes[mode]():
             result = greedy_decode(model, prompt, tokens, device)
-        routed[mode] = counts_delta(before, nf4_bnb.routed_counts())
+        routed[mode] = counts_delta(before, routed_snapshot())
         return result[1] * 1e3, result
 
-    res = interleave({"bnb": lambda: run("bnb"), "nf4": lambda: run("nf4")}, warmup=1, steps=reps)
+    res = interleave({mode: (lambda mode=mode: run(mode)) for mode in modes}, warmup=1, steps=reps)
     ids = {mode: {tuple(r[2]) for r in res[mode]["records"]} for mode in res}
     tok_s = {mode: tokens / (statistics.median(res[mode]["times"]) / 1e3) for mode in res}
+    others = {}
+    for mode in modes:
+        if mode == "bnb":
+            continue
+        others[mode] = {"tok_s": tok_s[mode], "speedup": tok_s[mode] / tok_s["bnb"],
+                        "decode_ms": summarize_ms(res[mode]["times"]),
+                        "prefill_ms": statistics.median(r[0] * 1e3 for r in res[mode]["records"]),
+                        "tokens_identical": len(ids["bnb"] | ids[mode]) == 1, "deterministic": len(ids[mode]) == 1,
+                        "first_tokens": list(next(iter(ids[mode])))[:16], "routed": routed.get(mode, {})}
     return {"prompt_tokens": PROMPT_TOKENS, "decode_tokens": tokens, "reps": reps, "bnb_tok_s": tok_s["bnb"],
             "nf4_tok_s": tok_s["nf4"], "speedup": tok_s["nf4"] / tok_s["bnb"],
             "bnb_decode_ms": summarize_ms(res["bnb"]["times"]), "nf4_decode_ms": summarize_ms(res["nf4"]["times"]),
@@ -414,9 +457,89 @@ def decode_row(model, *, vocab: int, seed: int, tokens: int, reps: int, device: 
             "nf4_prefill_ms": statistics.median(r[0] * 1e3 for r in res["nf4"]["records"]),
             "tokens_identical": len(ids["bnb"] | ids["nf4"]) == 1, "bnb_deterministic": len(ids["bnb"]) == 1,
             "first_tokens": list(next(iter(ids["bnb"])))[:16], "routed": routed.get("nf4", {}),
-            "routed_during_bnb_alone": routed.get("bnb", {}),
-            "note": "single-token 4-bit matmuls without grad run bitsandbytes' fused gemv (not routed); only the "
-                    "prompt's forward dequantizes"}
+            "routed_during_bnb_alone": routed.get("bnb", {}), "modes": others,
+            "note": "nf4 mode: single-token 4-bit matmuls without grad run bitsandbytes' fused kernel (not routed), "
+                    "only the prompt's forward dequantizes; nf4_fused: they run nf4.linear; unsloth: the release's "
+                    "fast_gemv"}
+
+
+# --- the modes ------------------------------------------------------------------------------------
+
+_peer_counts: dict[tuple[str, str], int] = {}
+
+
+def routed_snapshot() -> dict:
+    """nf4's routed counts and the unsloth mode's call counts, together (counts_delta takes the difference)."""
+    from nf4.integrations import bitsandbytes as nf4_bnb
+
+    return {**nf4_bnb.routed_counts(), **_peer_counts}
+
+
+def mode_contexts(names, unsloth_load=None) -> tuple[dict, dict]:
+    """({mode: context factory}, {mode: why it is not run}) for the asked modes ("bnb" and "nf4" always);
+    unsloth_load: what loads the release (default verify.unsloth_release.load; tests pass their own)."""
+    import nf4
+
+    contexts, skipped = {"bnb": contextlib.nullcontext, "nf4": nf4.patched_bitsandbytes}, {}
+    if "nf4_fused" in names:
+        contexts["nf4_fused"] = lambda: nf4.patched_bitsandbytes(fused_linear=True)
+    if "unsloth" in names:
+        factory, why = unsloth_context(unsloth_load)
+        if factory is None:
+            skipped["unsloth"] = why
+        else:
+            contexts["unsloth"] = factory
+    return contexts, skipped
+
+
+_UNSLOTH: dict = {}
+
+
+def unsloth_context(load=None, counts=None):
+    """(context factory, None) running the release's own Linear4bit override (forced on), counting its kernel
+    calls in `counts` (default _peer_counts, which routed_snapshot reads); or (None, why not). load: what
+    loads the release (default verify.unsloth_release.load)."""
+    from verify import unsloth_release
+
+    counts = _peer_counts if counts is None else counts
+    try:
+        release = (load or unsloth_release.load)()
+        override = release.bnb_override()
+    except Exception as exc:  # not extracted here, or refused by its checks
+        return None, f"Unsloth {unsloth_release.VERSION}'s override not run: {type(exc).__name__}: {exc}"[:400]
+    _UNSLOTH.update(release=release, override=override)
+
+    @contextlib.contextmanager
+    def counted(name, original):
+        def wrapper(*args, **kwargs):
+            if not torch_compiling():
+                key = (f"unsloth.{name}", "unsloth")
+                counts[key] = counts.get(key, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(release, name, wrapper)
+        try:
+            yield
+        finally:
+            del release.__dict__[name]  # the class's method again
+
+    @contextlib.contextmanager
+    def context():
+        with counted("fast_dequantize", release.fast_dequantize), counted("fast_gemv", release.fast_gemv):
+            if not override.install(force=True):
+                raise RuntimeError("Unsloth's install_bnb_nf4_override() declined even when forced")
+            try:
+                yield
+            finally:
+                override.uninstall()
+
+    return context, None
+
+
+def torch_compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -434,6 +557,8 @@ def parse_args(argv=None):
     ap.add_argument("--decode-reps", type=int, default=3, help="timed decode runs per mode after 1 warm-up")
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                    help="what to run besides bitsandbytes alone and nf4 (both always run; default: all)")
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG")
     ap.add_argument("--quick", action="store_true", help="tiny model (hidden 256, 1 layer, vocab 1024), shape 1x32, "
@@ -476,12 +601,23 @@ def main(argv=None) -> int:
     out = args.out or default_out(env["device"])
     print(f"{env['device']}  torch {env['torch']}  transformers {env['transformers']}  peft {env['peft']}  "
           f"bnb {env['bitsandbytes']}  commit {env['commit'][:12]}", flush=True)
+    modes, skipped = mode_contexts(args.modes)
+    unsloth = {"run": "unsloth" in modes, **({"skipped": skipped["unsloth"]} if "unsloth" in skipped else {})}
+    if "unsloth" in modes:
+        release, override = _UNSLOTH["release"], _UNSLOTH["override"]
+        unsloth.update(provenance=override.provenance(), default_on=override.default_on(),
+                       how="forced on (the effect of UNSLOTH_BNB_NF4_LINEAR=1); the release's default on this GPU is "
+                           "default_on", shim=release.shim)
+    elif "unsloth" not in args.modes:
+        unsloth["skipped"] = "not asked (--modes)"
+    print(f"modes: {', '.join(modes)}" + (f"; skipped: {skipped}" if skipped else ""), flush=True)
+    train_modes = {m: f for m, f in modes.items() if m not in DECODE_ONLY}
     model, config, info = build_model(args.dims, layers=args.layers, vocab=args.vocab, seed=args.seed,
                                       attn=args.attn, device=device)
     params = {n: p for n, p in sorted(model.named_parameters()) if p.requires_grad}
     if not params or not all("lora_" in n for n in params):
         raise RuntimeError(f"unexpected trainable parameters: {list(params)[:5]}")
-    payload = {"env": env, "unsloth": UNSLOTH, "config": {
+    payload = {"env": env, "unsloth": unsloth, "modes": {m: MODE_TEXT[m] for m in modes}, "config": {
         **args.dims, "num_hidden_layers": args.layers, "vocab_size": args.vocab, "dtype": "bfloat16",
         "attn_implementation": getattr(config, "_attn_implementation", args.attn),
         "quantization": "bitsandbytes Linear4bit nf4, double quant (compress_statistics), blocksize 64, compute bf16; "
@@ -493,8 +629,8 @@ def main(argv=None) -> int:
     timer = _Timer(device)
     for batch, seq in args.shape_list:
         try:
-            row = train_shape(model, params, batch, seq, vocab=args.vocab, seed=args.seed, steps=args.steps,
-                              timer=timer, device=device)
+            row = train_shape(model, params, batch, seq, modes=train_modes, vocab=args.vocab, seed=args.seed,
+                              steps=args.steps, timer=timer, device=device)
         except Exception as exc:  # an OOM on the largest shape must not lose the others
             row = {"shape": f"{batch}x{seq}", "error": f"{type(exc).__name__}: {exc}"[:500]}
         for p in params.values():
@@ -505,8 +641,8 @@ def main(argv=None) -> int:
         payload["rows"].append(row)
         print("  " + _fmt(row), flush=True)
     try:
-        payload["decode"].append(decode_row(model, vocab=args.vocab, seed=args.seed, tokens=args.decode_tokens,
-                                            reps=args.decode_reps, device=device))
+        payload["decode"].append(decode_row(model, modes=modes, vocab=args.vocab, seed=args.seed,
+                                            tokens=args.decode_tokens, reps=args.decode_reps, device=device))
     except Exception as exc:
         payload["decode"].append({"error": f"{type(exc).__name__}: {exc}"[:500]})
     path = timing.write_json(out, payload)

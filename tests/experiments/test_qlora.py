@@ -174,3 +174,100 @@ def test_table():
     assert "| 1x512 | 10.00 | 10.00 | 1.000x | n/a | NO | 0 / 0 |" in lines
     assert any(line.startswith("| 8x2048 | error: OutOfMemoryError") for line in lines)
     assert "| 16 + 200 | 50.0 | 51.0 | 1.020x | yes |" in lines
+
+
+def test_table_other_modes():
+    """Modes beyond nf4 get their own train and decode tables; the nf4 lines stay as they were."""
+    st = {"median_ms": 8.0, "speedup": 1.5, "bitexact_vs_bnb": True, "routed": {"unsloth.fast_dequantize/unsloth": 14}}
+    payload = {
+        "rows": [{"shape": "1x512", "bnb": {"median_ms": 12.0}, "nf4": {"median_ms": 10.0}, "speedup": 1.2,
+                  "bitexact_vs_bnb": True, "bnb_deterministic": True, "routed": {},
+                  "modes": {"nf4": {**st, "median_ms": 10.0}, "unsloth": st}}],
+        "decode": [{"prompt_tokens": 16, "decode_tokens": 200, "bnb_tok_s": 50.0, "nf4_tok_s": 51.0, "speedup": 1.02,
+                    "tokens_identical": True,
+                    "modes": {"nf4": {"tok_s": 51.0, "speedup": 1.02, "tokens_identical": True},
+                              "nf4_fused": {"tok_s": 60.0, "speedup": 1.2, "tokens_identical": False}}}],
+    }
+    lines = qlora.table(payload).splitlines()
+    assert "| 1x512 | 12.00 | 10.00 | 1.200x | yes | yes | 0 / 0 |" in lines
+    assert "| 1x512 | unsloth | 8.00 | 1.500x | yes | 14 |" in lines
+    assert not any("| nf4 |" in line for line in lines)  # nf4 is the main table's
+    assert "| nf4_fused | 60.0 | 1.200x | NO |" in lines
+
+
+def test_mode_stats():
+    res = {"bnb": {"times": [10.0, 12.0], "records": [(7, "d")] * 4, "median": 11.0},
+           "unsloth": {"times": [5.0, 6.0], "records": [(7, "d")] * 4}}
+    st = qlora._mode_stats("unsloth", res, {"unsloth": {"x/unsloth": 3}})
+    assert st["median_ms"] == 5.5 and st["speedup"] == 2.0 and st["routed"] == {"x/unsloth": 3}
+    assert st["bitexact_vs_bnb"] is True and st["bnb_deterministic"] is True
+    res["unsloth"]["records"] = [(8, "d")] * 4
+    assert qlora._mode_stats("unsloth", res, {})["bitexact_vs_bnb"] is False
+
+
+def test_mode_contexts_without_the_release():
+    """Without Unsloth's extracted release the unsloth mode is skipped with the loader's reason; bnb and nf4
+    always run, nf4_fused when asked, and each context patches what it says."""
+    import nf4
+    from nf4.integrations.bitsandbytes import fused_linear_on, patched_names
+    def missing(root=None):
+        raise FileNotFoundError("Unsloth 2026.10.9 release files not found")
+
+    contexts, skipped = qlora.mode_contexts(["bnb", "nf4", "nf4_fused", "unsloth"], unsloth_load=missing)
+    assert list(contexts) == ["bnb", "nf4", "nf4_fused"]
+    assert "FileNotFoundError" in skipped["unsloth"] and "not run" in skipped["unsloth"]
+    nf4.unpatch_bitsandbytes()
+    try:
+        with contexts["bnb"]():
+            assert not patched_names()
+        with contexts["nf4"]():
+            assert patched_names() and not fused_linear_on()
+        with contexts["nf4_fused"]():
+            assert fused_linear_on()
+        assert not patched_names()
+    finally:
+        nf4.unpatch_bitsandbytes()
+    assert list(qlora.mode_contexts(["nf4"])[0]) == ["bnb", "nf4"]
+
+
+def test_unsloth_context_counts_and_restores():
+    """The unsloth mode installs the override forced, counts the release's kernel calls made inside it (the
+    override calls them through the release object), and restores the release's methods and uninstalls on
+    exit, an exception too."""
+    class FakeRelease:
+        shim = False
+
+        def fast_dequantize(self, W, quant_state=None, out=None, use_global_buffer=False):
+            return "dq"
+
+        def fast_gemv(self, X, W, quant_state, out=None):
+            return "gemv"
+
+    class FakeOverride:
+        def __init__(self):
+            self.events = []
+
+        def install(self, force=False):
+            self.events.append(("install", force))
+            return True
+
+        def uninstall(self):
+            self.events.append(("uninstall",))
+
+    release, override = FakeRelease(), FakeOverride()
+    release.bnb_override = lambda: override
+    counts = {("unsloth.fast_gemv", "unsloth"): 5}
+    context, why = qlora.unsloth_context(lambda: release, counts)
+    assert why is None
+    before = dict(counts)
+    with context():
+        assert release.fast_dequantize("W", "qs") == "dq" and release.fast_dequantize("W", "qs") == "dq"
+        assert release.fast_gemv("X", "W", "qs") == "gemv"
+    assert qlora.counts_delta(before, counts) == {"unsloth.fast_dequantize/unsloth": 2, "unsloth.fast_gemv/unsloth": 1}
+    assert qlora.unsloth_context(lambda: release)[1] is None  # the default counts: those routed_snapshot reads
+    assert "fast_dequantize" not in vars(release) and "fast_gemv" not in vars(release)
+    assert override.events == [("install", True), ("uninstall",)]
+    with pytest.raises(KeyError):
+        with context():
+            raise KeyError("inside")
+    assert override.events[-1] == ("uninstall",) and "fast_gemv" not in vars(release)
