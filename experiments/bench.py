@@ -182,6 +182,15 @@ nf4, the new-QuantState call with the plan cache turned off. Every
             rows.append(row)
             print(f"  host {fname:<20} {form:<16} {row.get('host_us', float('nan')):6.1f} us "
                   f"(JIT launch {row.get('jit_host_us', float('nan')):5.1f})", flush=True)
+    # What the caller's own part of two forms costs, with no dequantize at all: the fresh view and the shallow
+    # copy of the QuantState that those rows include for every provider (the limit of those rows against a
+    # JIT launch is the provider's cost plus this).
+    for form, call in (("fresh view alone (packed.view(-1, 1), no dequantize)", lambda _: packed.view(-1, 1)),
+                       ("new QuantState alone (copy.copy(qs), no dequantize)", lambda _: copy.copy(qs))):
+        h = timing.host_time_pair_us(call, [None], jit, [None], calls=calls)
+        rows.append({"case": case, "provider": "caller", "form": form, "mismatches": 0, "host_us": h["median_us"],
+                     "jit_host_us": h["ref_median_us"]})
+        print(f"  host caller {form:<52} {h['median_us']:6.1f} us (JIT launch {h['ref_median_us']:5.1f})", flush=True)
     h = timing.host_time_pair_us(lambda _: nf4.dequantize(packed, copy.copy(qs), config=no_plan), [None], jit,
                                  [None], calls=calls)
     rows.append({"case": case, "provider": "nf4", "form": "new QuantState, no plan cache (config plan=False)",
