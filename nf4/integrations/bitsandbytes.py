@@ -35,8 +35,15 @@ What is patched (bitsandbytes 0.50.2), and why:
   original heuristic elsewhere; the fallback it then takes is the patched one above, so those
   forwards run nf4.linear's path bit for bit (`F.linear(A, nf4.dequantize(B))`).
 
-* Opt-in, `patch_bitsandbytes(fused_linear=True)`: `bitsandbytes.matmul_4bit` (bound in `bitsandbytes` and
-  `bitsandbytes.autograd._functions`; `Linear4bit.forward` looks up `bnb.matmul_4bit` at call time). A call
+* `bitsandbytes.matmul_4bit` (bound in `bitsandbytes` and `bitsandbytes.autograd._functions`;
+  `Linear4bit.forward` looks up `bnb.matmul_4bit` at call time), where CUDA's fallback above is patched:
+  the replacement calls the original and, while it runs, hands its QuantState to the fallback's
+  replacement, which gets only the state's tensors from gemm_4bit. When they are that state's own, nf4
+  dequantizes with the state itself rather than one rebuilt from its parts (the same tensors, so the
+  same bits), so nf4.dequantize's repeat-call plan, kept per QuantState object, serves the forward of a
+  training step as it serves the backward (the host time of a new QuantState per call, measured about
+  100 us on an H100, was what the fallback paid before).
+* Opt-in, `patch_bitsandbytes(fused_linear=True)`: also routes `bitsandbytes.matmul_4bit` itself. A call
   with an NF4 QuantState in [N, K] orientation, fp16 or bf16 x of M rows on a CUDA GPU (or the CPU with
   the interpreter), M within the GPU's measured limit (`nf4.linear.config.routes_matmul_4bit`: the rows
   where nf4.linear's tensor-core GEMV measured faster than bitsandbytes' own choice, up to 32 on the
@@ -104,7 +111,6 @@ _lock = threading.Lock()
 _counts: dict[tuple[str, str], int] = {}
 _fused_linear = False  # the opt-in mode: matmul_4bit of few rows to nf4.linear (patch_bitsandbytes(fused_linear=True))
 _interpreting: bool | None = None  # cached: fixed when triton decorated the kernel
-_fused_originals: set[int] = set()  # id() of the originals patched only in the fused_linear mode (matmul_4bit)
 
 
 def _interpreter_on() -> bool:
@@ -208,6 +214,26 @@ def _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code,
                       dtype=dtype, offset=absmax_offset, state2=state2)
 
 
+_calling = threading.local()  # .state: the QuantState of the matmul_4bit call in progress on this thread
+
+
+def _state_of_call(shapeB, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset):
+    """The QuantState of the matmul_4bit call in progress (handed over by its replacement) when gemm_4bit's
+    arguments are that state's own tensors and it dequantizes to `dtype`; else None. Using it instead of a
+    state rebuilt from the parts is the same computation (the same tensors), and lets nf4.dequantize take
+    its repeat-call plan, which is kept per QuantState object."""
+    state = getattr(_calling, "state", None)
+    if state is None or state.dtype is not dtype or state.blocksize != blocksize or state.shape is not shapeB:
+        return None
+    if absmax_8bit is None:
+        return state if not state.nested and state.absmax is absmax else None
+    state2 = state.state2
+    if (state.nested and state2 is not None and state2.blocksize == 256 and state.absmax is absmax_8bit
+            and state2.absmax is absmax and state2.code is absmax_code and state.offset is absmax_offset):
+        return state
+    return None
+
+
 def route_dequant_linear_fallback(original):
     """The replacement for `bitsandbytes.backends.cuda.ops._dequant_linear_fallback` (`original`).
 
@@ -225,7 +251,9 @@ def route_dequant_linear_fallback(original):
                                  absmax_code=None, absmax_offset=None):
         if (_patches and quant_type == "nf4" and isinstance(B, torch.Tensor) and _nf4_device(B.device)
                 and A.dtype in _OUT_DTYPES):
-            state = _state_from_parts(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code, absmax_offset)
+            state = (_state_of_call(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code, absmax_offset)
+                     or _state_from_parts(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code,
+                                          absmax_offset))
             weight = torch.empty(shapeB, dtype=A.dtype, device=A.device)
             try:
                 # Into `weight`, never through the return value: B is the (-1, 1) view, and nf4 would
@@ -334,12 +362,18 @@ def route_matmul_4bit(original, device_name=None):
                         out.copy_(result)
                         return out
                     return result
-        _count("matmul_4bit", "bitsandbytes")
-        return original(A, B, quant_state, out, bias)
+            _count("matmul_4bit", "bitsandbytes")
+        if not _patches or torch.compiler.is_compiling():
+            return original(A, B, quant_state, out, bias)
+        previous = getattr(_calling, "state", None)
+        _calling.state = quant_state  # for the fallback's replacement (_state_of_call), while this call runs
+        try:
+            return original(A, B, quant_state, out, bias)
+        finally:
+            _calling.state = previous
 
     matmul_4bit._nf4_original = original
     _replacements[original] = matmul_4bit
-    _fused_originals.add(id(original))
     return matmul_4bit
 
 
@@ -357,10 +391,11 @@ def _targets(fused_linear: bool) -> list[tuple[object, object]]:
     import bitsandbytes.functional  # runs bitsandbytes/__init__, which loads the CUDA backend when CUDA is there
 
     found = [(bitsandbytes.functional.dequantize_4bit, route_dequantize_4bit)]
-    if fused_linear and callable(getattr(bitsandbytes, "matmul_4bit", None)):
-        found.append((bitsandbytes.matmul_4bit, route_matmul_4bit))
     cuda_ops = sys.modules.get("bitsandbytes.backends.cuda.ops")
-    if cuda_ops is not None and callable(getattr(cuda_ops, "_dequant_linear_fallback", None)):
+    fallback = cuda_ops is not None and callable(getattr(cuda_ops, "_dequant_linear_fallback", None))
+    if (fused_linear or fallback) and callable(getattr(bitsandbytes, "matmul_4bit", None)):
+        found.append((bitsandbytes.matmul_4bit, route_matmul_4bit))
+    if fallback:
         found.append((cuda_ops._dequant_linear_fallback, route_dequant_linear_fallback))
     if (cuda_ops is not None and callable(getattr(cuda_ops, "_gemm_4bit_use_custom_fn", None))
             and torch.version.hip is None):
@@ -392,12 +427,12 @@ def patch_bitsandbytes(*, fused_linear: bool = False) -> None:
         raise TypeError(f"fused_linear must be True or False, got {type(fused_linear).__name__} {fused_linear!r}")
     with _lock:
         fused_linear = bool(fused_linear)
-        if not fused_linear:
-            for key, (original, _) in list(_patches.items()):
-                if id(original) in _fused_originals:
-                    _restore(key)
         _fused_linear = fused_linear
         targets = _targets(fused_linear)
+        wanted = {id(original) for original, _ in targets}
+        for key, (original, _) in list(_patches.items()):
+            if id(original) not in wanted:  # patched for a mode no longer asked for (matmul_4bit on a CPU)
+                _restore(key)
         for name, module in _bitsandbytes_modules():
             for attr, value in list(vars(module).items()):
                 for original, replacement in targets:

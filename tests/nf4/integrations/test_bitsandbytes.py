@@ -118,9 +118,12 @@ def _assert_same_outcome(got, expect, name="output"):
 
 
 def test_patch_and_unpatch_restore_the_same_objects():
+    """Where CUDA's gemm_4bit fallback is loaded, the plain patch also holds matmul_4bit (to hand the call's
+    QuantState to the fallback's replacement)."""
     original = F.dequantize_4bit
     before = _bnb_bindings()
-    expect = _holding(original, *([sys.modules["bitsandbytes.backends.cuda.ops"]._dequant_linear_fallback]
+    expect = _holding(original, *([sys.modules["bitsandbytes.backends.cuda.ops"]._dequant_linear_fallback,
+                                   bnb.matmul_4bit]
                                   if "bitsandbytes.backends.cuda.ops" in sys.modules else []))
     assert ("bitsandbytes.functional", "dequantize_4bit") in expect
 
@@ -406,10 +409,13 @@ def test_cpu_tensors_go_to_bitsandbytes_without_the_interpreter():
 # --- 4. Linear4bit, forward and backward ----------------------------------------------------------
 
 
-def _linear4bit(nf4h, in_features, out_features, seed, *, compress_statistics, compute_dtype, device):
+def _linear4bit(nf4h, in_features, out_features, seed, *, compress_statistics, compute_dtype, device,
+                weight_dtype=torch.float32):
+    """A Linear4bit with a bias; its QuantState's dtype is weight_dtype (bf16 when quantized from bf16 weights,
+    as a model loaded in bf16 is)."""
     layer = bnb.nn.Linear4bit(in_features, out_features, bias=True, compute_dtype=compute_dtype,
                               compress_statistics=compress_statistics, quant_type="nf4", quant_storage=torch.uint8)
-    weight = nf4h.make_weight((out_features, in_features), torch.float32, seed)
+    weight = nf4h.make_weight((out_features, in_features), weight_dtype, seed)
     layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
                                      compress_statistics=compress_statistics, quant_storage=torch.uint8, blocksize=64)
     with torch.no_grad():
@@ -564,6 +570,18 @@ def test_linear4bit_cuda_fallback_forward_and_backward(nf4h, compress_statistics
     assert _counts(FB) == (1, 0) and _counts(DQ) == (1, 0)
     assert_bitexact(y1, y0, name="output")
     assert_bitexact(g1, g0, name="input gradient")
+    from nf4.dequant.api import cached_plan
+
+    # the forward's dequantize used the layer's own QuantState (handed over by matmul_4bit's replacement):
+    # its plan exists after the second call with it (the backward's was the first), and a third forward,
+    # served by it, gives the same bits
+    with nf4.patched_bitsandbytes():
+        y2, g2, _ = _forward_backward(layer, x)
+        assert cached_plan(layer.weight.quant_state) is not None
+        y3, _, _ = _forward_backward(layer, x)
+    assert_bitexact(y2, y0, name="output, again")
+    assert_bitexact(g2, g0, name="input gradient, again")
+    assert_bitexact(y3, y0, name="output, with the plan")
 
 
 UC = "_gemm_4bit_use_custom_fn"
@@ -658,20 +676,21 @@ def test_fused_mode_bindings_and_restore():
     assert set(holding) <= set(patched_names())
     assert bnb.matmul_4bit is not original and bnb.matmul_4bit._nf4_original is original
     assert not _holding(original)
-    nf4.patch_bitsandbytes()  # the plain mode: matmul_4bit back, dequantize_4bit still routed
-    assert not fused_linear_on() and bnb.matmul_4bit is original
-    assert not set(holding) & set(patched_names()) and ("bitsandbytes.functional", DQ) in patched_names()
+    nf4.patch_bitsandbytes()  # the plain mode: matmul_4bit back (kept where CUDA's fallback is), dequantize routed
+    cuda = "bitsandbytes.backends.cuda.ops" in sys.modules
+    assert not fused_linear_on() and (bnb.matmul_4bit is original) is not cuda
+    assert bool(set(holding) & set(patched_names())) is cuda and ("bitsandbytes.functional", DQ) in patched_names()
     nf4.unpatch_bitsandbytes()
     _assert_same_bindings(before, _bnb_bindings())
     with nf4.patched_bitsandbytes():
         with nf4.patched_bitsandbytes(fused_linear=True):
             assert fused_linear_on() and bnb.matmul_4bit is not original
-        assert not fused_linear_on() and bnb.matmul_4bit is original
+        assert not fused_linear_on() and (bnb.matmul_4bit is original) is not cuda
         assert ("bitsandbytes.functional", DQ) in patched_names()
     _assert_same_bindings(before, _bnb_bindings())
     nf4.patch_bitsandbytes(fused_linear=True)
     with nf4.patched_bitsandbytes():  # a plain block inside the fused mode: fused again after it
-        assert bnb.matmul_4bit is original and not fused_linear_on()
+        assert (bnb.matmul_4bit is original) is not cuda and not fused_linear_on()
     assert fused_linear_on() and bnb.matmul_4bit is not original
     nf4.unpatch_bitsandbytes()
     assert not fused_linear_on()
@@ -680,6 +699,46 @@ def test_fused_mode_bindings_and_restore():
         with pytest.raises(TypeError, match="fused_linear must be True or False"):
             nf4.patch_bitsandbytes(fused_linear=bad)
     _assert_same_bindings(before, _bnb_bindings())
+
+
+def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
+    """While the matmul_4bit replacement runs its original, the fallback's replacement gets the call's own
+    QuantState for gemm_4bit's arguments that are that state's tensors (so nf4.dequantize's plan for the state
+    serves it), None for any other arguments, and None outside the call; the plain mode does it too."""
+    from nf4.integrations.bitsandbytes import _state_of_call, route_matmul_4bit
+
+    seen = []
+    for double_quant in (True, False):
+        packed, state = nf4h.quantize((37, 128), torch.bfloat16, 64, double_quant,
+                                      seed=nf4h.case_seed("bnb-handover", double_quant))
+        _, other = nf4h.quantize((37, 128), torch.bfloat16, 64, double_quant,
+                                            seed=nf4h.case_seed("bnb-handover-other", double_quant))
+
+        def original(A, B, quant_state, out=None, bias=None, state=state, other=other):
+            args, _ = _fallback_args(quant_state, A, B, None)
+            _, _, shape, absmax, blocksize, _, _ = args
+            nested = (quant_state.absmax, quant_state.state2.code, quant_state.offset) if quant_state.nested else (
+                None, None, None)
+            seen.append(_state_of_call(shape, absmax, blocksize, A.dtype, nested[0], nested[1], nested[2]))
+            # the other weight's tensors, a float16 x, a copied shape: not the call's state
+            o_absmax = other.state2.absmax if other.nested else other.absmax
+            o_nested = (other.absmax, other.state2.code, other.offset) if other.nested else (None, None, None)
+            seen.append(_state_of_call(shape, o_absmax, blocksize, A.dtype, *o_nested))
+            seen.append(_state_of_call(shape, absmax, blocksize, torch.float16, *nested))
+            seen.append(_state_of_call(torch.Size(tuple(shape)), absmax, blocksize, A.dtype, *nested))
+            return "original"
+
+        route = route_matmul_4bit(original, device_name=lambda index: "NVIDIA H100 80GB HBM3")
+        a = nf4h.make_weight((40, 128), torch.bfloat16, 5)  # 40 rows: past the fused route, to the original
+        for fused in (False, True):
+            seen.clear()
+            with nf4.patched_bitsandbytes(fused_linear=fused):
+                assert route(a, packed, state) == "original"
+            assert seen[0] is state and seen[1:] == [None, None, None], (double_quant, fused)
+        args, _ = _fallback_args(state, a, packed, None)
+        assert _state_of_call(args[2], args[3], 64, torch.bfloat16, state.absmax if state.nested else None,
+                              state.state2.code if state.nested else None,
+                              state.offset if state.nested else None) is None  # outside the call
 
 
 @pytest.mark.parametrize("m", [0, 1, 32, 33, 1000])
@@ -787,16 +846,19 @@ def test_linear4bit_cpu_fused_route(nf4h, compress_statistics):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compress_statistics", [True, False], ids=["dq", "nodq"])
 def test_linear4bit_cuda_fused_route(nf4h, compress_statistics):
-    """CUDA, the fused mode: a Linear4bit forward of 1, 5, 16 and 32 rows (no grad, as in decode; and 5 rows
-    with grad) is nf4.linear's (bit for bit, its tensor-core GEMV; within the float32 accumulation bound of
-    the exact product), 33 rows bitsandbytes' path as in the plain mode; torch.compile(fullgraph=True) of
-    the patched layer at one row gives the eager bits."""
+    """CUDA, the fused mode, a layer quantized from bf16 weights (its QuantState bf16, as x: nf4.linear's
+    tensor-core GEMV runs): a Linear4bit forward of 1, 5, 16 and 32 rows (no grad, as in decode; and 5 rows
+    with grad) is nf4.linear's (bit for bit; within the float32 accumulation bound of the exact product), 33
+    rows bitsandbytes' path as in the plain mode; torch.compile(fullgraph=True) of the patched layer at one
+    row gives the eager bits. (Where nf4.linear takes nf4.dequantize + cuBLAS instead, as for a float32
+    QuantState, cuBLAS's bf16 reductions are not held to that bound: tests/nf4/linear/test_sum.py.)"""
     from nf4.linear.config import routes_matmul_4bit
 
     name = torch.cuda.get_device_name(0)
     seed = nf4h.case_seed("bnb-fused-cuda", compress_statistics)
     layer = _linear4bit(nf4h, 512, 333, seed, compress_statistics=compress_statistics,
-                        compute_dtype=torch.bfloat16, device="cuda")
+                        compute_dtype=torch.bfloat16, device="cuda", weight_dtype=torch.bfloat16)
+    assert layer.weight.quant_state.dtype == torch.bfloat16
     qs, bias = layer.weight.quant_state, layer.bias.to(torch.bfloat16)
     for m in (1, 5, 16, 32, 33):
         x = nf4h.make_weight((m, 512), torch.bfloat16, seed + m, "cuda")
