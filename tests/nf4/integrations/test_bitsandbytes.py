@@ -878,6 +878,7 @@ def test_linear4bit_cuda_fused_route(nf4h, compress_statistics):
         assert_bitexact(again, expect, name=f"M={m}, repeat call")
         _within_bound(got, x, layer, f"M={m}")
     x = nf4h.make_weight((5, 512), torch.bfloat16, seed + 99, "cuda")
+    reset_routed_counts()
     with nf4.patched_bitsandbytes(fused_linear=True):
         y1, g1, after_forward = _forward_backward(layer, x)
     assert after_forward == {(MM, "nf4"): 1}
