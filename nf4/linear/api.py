@@ -333,6 +333,11 @@ def _fused_ok(x, w: _Weight, m: int) -> bool:
 def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfig | None = None,
         ftz: bool = True) -> torch.Tensor:
     """One fused launch on checked inputs: x [..., K] -> [..., N] (trans: x [..., N] -> [..., K])."""
+    if x.dim() == 2:
+        m, x2 = x.shape[0], x
+        plan = w.launches.get((m, x.dtype, bias is not None, trans, config, ftz))
+        if plan and _plan_fits(x2, packed, bias):  # the repeat call: the bound launches, nothing else
+            return _run_plan(plan, x2, packed, bias, m, w.K if trans else w.N, w.device.index)
     lead = x.shape[:-1]
     m = math.prod(lead)
     x2 = x.reshape(m, x.shape[-1])
@@ -352,23 +357,8 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
         return _dequant_run(x2, packed, w, bias, trans, ftz).reshape(*lead, n_out)
     key = (m, x.dtype, bias is not None, trans, asked, ftz)
     plan = w.launches.get(key)
-    if (plan and x2.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
-            and (bias is None or bias.data_ptr() % 16 == 0)):
-        stream = runtime.raw_stream(x.device.index)
-        main, finish, part_numel = plan
-        if finish is None:
-            if bias is None:
-                main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), out.data_ptr())
-            else:
-                main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), out.data_ptr(), bias.data_ptr())
-        else:
-            part = torch.empty(part_numel, dtype=torch.float32, device=x.device)
-            main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), part.data_ptr())
-            if bias is None:
-                finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr())
-            else:
-                finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr(), bias.data_ptr())
-        return out.reshape(*lead, n_out)
+    if plan and _plan_fits(x2, packed, bias):
+        return _run_plan(plan, x2, packed, bias, m, n_out, w.device.index, out).reshape(*lead, n_out)
     config = launch_config(config, w, x2, packed, m, trans)
     if config.path == "dequant":  # a tuned tensor-core GEMV's fallback
         return _dequant_run(x2, packed, w, bias, trans, ftz).reshape(*lead, n_out)
@@ -393,6 +383,33 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
                                       x.device.index)
             w.launches[key] = (main, finish, split * m * n_out)
     return out.reshape(*lead, n_out)
+
+
+def _plan_fits(x2, packed, bias) -> bool:
+    """x (2-D), the packed bytes and the bias as a bound launch was made for: contiguous, 16-byte aligned."""
+    return (x2.is_contiguous() and x2.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
+            and (bias is None or (bias.is_contiguous() and bias.data_ptr() % 16 == 0)))
+
+
+def _run_plan(plan, x2, packed, bias, m: int, n_out: int, device_index: int, out=None) -> torch.Tensor:
+    """The bound launches of a plan (`w.launches`) on x2 [m, K]: out [m, n_out] (allocated when None)."""
+    main, finish, part_numel = plan
+    if out is None:
+        out = x2.new_empty((m, n_out))
+    stream = runtime.raw_stream(device_index)
+    if finish is None:
+        if bias is None:
+            main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), out.data_ptr())
+        else:
+            main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), out.data_ptr(), bias.data_ptr())
+    else:
+        part = x2.new_empty(part_numel, dtype=torch.float32)
+        main.fn(main.ctx, stream, x2.data_ptr(), packed.data_ptr(), part.data_ptr())
+        if bias is None:
+            finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr())
+        else:
+            finish.fn(finish.ctx, stream, part.data_ptr(), out.data_ptr(), bias.data_ptr())
+    return out
 
 
 def _dequant_run(x2, packed, w: _Weight, bias, trans: bool, ftz: bool) -> torch.Tensor:
