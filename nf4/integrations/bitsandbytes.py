@@ -351,7 +351,8 @@ def route_matmul_4bit(original, device_name=None):
     def matmul_4bit(A, B, quant_state, out=None, bias=None):
         if _patches and _fused_linear:
             m = _linear_rows(A, quant_state, out, bias)
-            if m and routes_matmul_4bit(name_of(A.device.index) if A.device.type == "cuda" else "", m):
+            index = A.get_device() if m else -1  # -1: a CPU tensor (the interpreter: the default GPU's limit)
+            if m and routes_matmul_4bit(name_of(index) if index >= 0 else "", m):
                 try:
                     result = linear(A, B, quant_state, bias)
                 except (ValueError, TypeError):

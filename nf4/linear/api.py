@@ -333,11 +333,14 @@ def _fused_ok(x, w: _Weight, m: int) -> bool:
 def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfig | None = None,
         ftz: bool = True) -> torch.Tensor:
     """One fused launch on checked inputs: x [..., K] -> [..., N] (trans: x [..., N] -> [..., K])."""
-    if x.dim() == 2:
-        m, x2 = x.shape[0], x
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.numel() else None
+    if x2 is not None:  # the repeat call: from the plan to the bound launches, nothing else
+        m = x2.shape[0]
         plan = w.launches.get((m, x.dtype, bias is not None, trans, config, ftz))
-        if plan and _plan_fits(x2, packed, bias):  # the repeat call: the bound launches, nothing else
-            return _run_plan(plan, x2, packed, bias, m, w.K if trans else w.N, w.device.index)
+        if plan and _plan_fits(x2, packed, bias):
+            n_out = w.K if trans else w.N
+            out = _run_plan(plan, x2, packed, bias, m, n_out, w.device.index)
+            return out if x2 is x else out.view(*x.shape[:-1], n_out)
     lead = x.shape[:-1]
     m = math.prod(lead)
     x2 = x.reshape(m, x.shape[-1])
