@@ -349,15 +349,15 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     n_out = w.K if trans else w.N
-    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
-        return out.reshape(*lead, n_out)
-    interpreting = runtime.interpreting(x.device)
+        return torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     asked = config
     if config is None:
         config = tuned(_device_name(x.device), m, trans)
     if config.path == "dequant":
         return _dequant_run(x2, packed, w, bias, trans, ftz).reshape(*lead, n_out)
+    interpreting = runtime.interpreting(x.device)
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     key = (m, x.dtype, bias is not None, trans, asked, ftz)
     plan = w.launches.get(key)
     if plan and _plan_fits(x2, packed, bias):
