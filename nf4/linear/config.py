@@ -157,28 +157,28 @@ ROUTE_GEMM_4BIT_MIN_M: dict[str, int] = {"H100": 128}
 # are nf4.linear's (float32 sums in another order than bitsandbytes' kernel), not bitsandbytes' bits.
 ROUTE_MATMUL_4BIT_MAX_M: dict[str, int] = {"H100": 32, "H200": 32}
 
-_route_limits: dict[str, int] = {}
-_fused_limits: dict[str, int] = {}
+_limits: dict[tuple[int, str], int] = {}
+
+
+def _gpu_limit(table: dict[str, int], device_name: str) -> int:
+    """The entry of a per-GPU table whose key is in the GPU's name (the default GPU's otherwise), cached:
+    the routes ask on every bitsandbytes call."""
+    key = (id(table), device_name)
+    limit = _limits.get(key)
+    if limit is None:
+        limit = _limits[key] = next((v for gpu, v in table.items() if gpu in device_name), table[DEFAULT_GPU])
+    return limit
 
 
 def routes_matmul_4bit(device_name: str, m: int) -> bool:
     """Whether the fused route of a patched bitsandbytes sends a matmul_4bit of m rows to nf4.linear on this GPU
     ("" for Triton's interpreter: the default GPU's limit)."""
-    limit = _fused_limits.get(device_name)
-    if limit is None:
-        limit = _fused_limits[device_name] = next(
-            (v for gpu, v in ROUTE_MATMUL_4BIT_MAX_M.items() if gpu and gpu in device_name),
-            ROUTE_MATMUL_4BIT_MAX_M[DEFAULT_GPU])
-    return 1 <= m <= limit
+    return 1 <= m <= _gpu_limit(ROUTE_MATMUL_4BIT_MAX_M, device_name)
 
 
 def routes_gemm_4bit(device_name: str, m: int) -> bool:
     """Whether a patched bitsandbytes should send a gemm_4bit of m rows to nf4 on this GPU."""
-    limit = _route_limits.get(device_name)
-    if limit is None:
-        limit = _route_limits[device_name] = next(
-            (v for gpu, v in ROUTE_GEMM_4BIT_MIN_M.items() if gpu in device_name), ROUTE_GEMM_4BIT_MIN_M[DEFAULT_GPU])
-    return m >= limit
+    return m >= _gpu_limit(ROUTE_GEMM_4BIT_MIN_M, device_name)
 
 
 def tuned(device_name: str, m: int, backward: bool = False) -> LinearConfig:
