@@ -134,7 +134,7 @@ def call_forms(case="4096x4096:bf16", calls=100) -> list[dict]:
     packed storage on every call (what bitsandbytes' MatMul4Bit.backward passes); a weight at a new
     address on every call (as FSDP all-gathers it; rotating among copies); a new QuantState object
     every call (a shallow copy, whose cost every row includes; nf4's cache always misses); and, for
-nf4, the new-QuantState call with the plan cache turned off. Every
+nf4, the new-QuantState call with the plan cache turned off, and the two paired with each other. Every
     provider is checked bit-exact on the weight first.
     """
     import bitsandbytes as bnb
@@ -197,6 +197,13 @@ nf4, the new-QuantState call with the plan cache turned off. Every
                  "mismatches": 0,
                  "host_us": h["median_us"], "jit_host_us": h["ref_median_us"]})
     print(f"  host nf4 without plan cache {h['median_us']:6.1f} us (JIT launch {h['ref_median_us']:5.1f})", flush=True)
+    # The cache miss against a call made without any cache, in alternating batches of their own (the two rows
+    # above are each paired with a JIT launch, in batches minutes apart).
+    h = timing.host_time_pair_us(lambda _: nf4.dequantize(packed, copy.copy(qs)), [None],
+                                 lambda _: nf4.dequantize(packed, copy.copy(qs), config=no_plan), [None], calls=calls)
+    rows.append({"case": case, "provider": "nf4", "form": "cache miss (new QuantState) paired with no cache",
+                 "mismatches": 0, "host_us": h["median_us"], "no_cache_host_us": h["ref_median_us"]})
+    print(f"  host nf4 cache miss {h['median_us']:6.1f} us, no cache {h['ref_median_us']:6.1f} us (paired)", flush=True)
     return rows
 
 

@@ -31,6 +31,9 @@ _dummy_cache: dict[torch.device, torch.Tensor] = {}
 _plans: dict[int, _Plan] = {}
 _seen: dict[int, weakref.ref] = {}  # QuantStates that took the full path once (a plan is made the second time)
 _SEEN_LIMIT = 4096
+_templates: dict[tuple, _Template] = {}  # bound launches per launch signature, for a QuantState's first call
+_TEMPLATE_LIMIT = 512
+_TEMPLATE_REBIND = ("packed_ptr", "absmax_ptr", "absmax2_ptr", "code2_ptr", "offset_ptr", "out_ptr")
 _device_names: dict[int, str] = {}
 
 
@@ -126,22 +129,51 @@ def forget_plan(quant_state) -> None:
     _seen.pop(id(quant_state), None)
 
 
-def _make_plan(packed, qs, compiled, args, grid_x, config, asked=None) -> None:
-    """Remember a validated call so the next one with this QuantState can skip straight to the launcher.
+class _Template:
+    """A compiled launch bound for every weight of one launch signature (`_template_key`: sizes, dtypes,
+    flags, the config and the pointers' alignment), all six tensor pointers passed anew per launch.
 
-    A plan is made the second time a QuantState takes the full path, so that a caller handing a new
-    QuantState to every call pays no more than a call without the cache (one weak reference).
+    It serves a QuantState's first call, validated but without a plan yet (a plan is made the second
+    time): the launch then skips building the kernel's arguments, Triton's specialisation key and its
+    launcher, which cost several times the checks. It holds no tensor (pointers are bound per call) and
+    keeps its config alive, so the config's id in the key stays its own.
+    """
+
+    __slots__ = ("bound", "config")
+
+
+def _template_key(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, config) -> tuple:
+    """What the compiled kernel, its grid and its non-pointer arguments depend on, beyond the device (the
+    QuantState's dtypes follow from `nested` once validated)."""
+    return (packed.get_device(), id(config), n, blocksize, nested, ftz, packed.dtype, packed.data_ptr() % 16,
+            absmax.data_ptr() % 16 == 0, absmax2.data_ptr() % 16 == 0, code2.data_ptr() % 16 == 0,
+            offset.data_ptr() % 16 == 0, out.dtype, out.data_ptr() % 16 == 0)
+
+
+def _plan_due(qs) -> bool:
+    """Note a QuantState's pass through the full path: True when a plan should be made now.
+
+    A plan is made the second time a QuantState takes the full path (or when its plan no longer fits
+    the call), so that a caller handing a new QuantState to every call pays no more than a call without
+    the cache (one weak reference); its first call launches through a template instead.
     """
     key = id(qs)
+    if key in _plans:
+        return True
+    seen = _seen.get(key)
+    if seen is None or seen() is not qs:
+        if len(_seen) >= _SEEN_LIMIT:
+            _seen.clear()
+        _seen[key] = weakref.ref(qs)
+        return False
+    del _seen[key]
+    return True
+
+
+def _make_plan(packed, qs, compiled, args, grid_x, config, asked=None) -> None:
+    """Remember a validated call so the next one with this QuantState can skip straight to the launcher."""
+    key = id(qs)
     old = _plans.get(key)
-    if old is None:
-        seen = _seen.get(key)
-        if seen is None or seen() is not qs:
-            if len(_seen) >= _SEEN_LIMIT:
-                _seen.clear()
-            _seen[key] = weakref.ref(qs)
-            return
-        del _seen[key]
     if runtime.hooks_active():
         return  # profiling hooks want the full path
     if (old is not None and old.compiled is compiled and old.grid_x == grid_x and old.config is asked
@@ -402,12 +434,38 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     asked = config
     if config is None:
         config = tuned_config(device, n * out.element_size())
+    key = None
+    if (config.plan and not config.fp_fusion and device.type == "cuda" and not runtime.is_recording()
+            and not runtime.interpreting(device)):
+        due = plan_for is not None and _plan_due(plan_for[1])
+        if absmax2 is None:
+            absmax2 = code2 = offset = _dummy(device)
+        key = _template_key(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, config)
+        template = None if due else _templates.get(key)
+        if template is not None and template.config is config and not runtime.hooks_active():
+            bound = template.bound
+            bound.fn(bound.ctx, _raw_stream(device.index), packed.data_ptr(), absmax.data_ptr(), absmax2.data_ptr(),
+                     code2.data_ptr(), offset.data_ptr(), out.data_ptr())
+            return out
     fn, grid, args, options = kernel_launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz,
                                             config, vec=packed.data_ptr() % 4 == 0)
     compiled = runtime.launch(fn, grid, args, device=device, **options)
-    if plan_for is not None and compiled is not None and not config.fp_fusion and config.plan:
-        _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], config, asked)
+    if key is not None and compiled is not None:
+        if due:
+            _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], config, asked)
+        if key not in _templates and not runtime.hooks_active():
+            _remember_template(key, compiled, fn, grid, args, config, device.index)
     return out
+
+
+def _remember_template(key, compiled, fn, grid, args, config, device_index) -> None:
+    template = _Template()
+    template.config = config
+    template.bound = runtime.bind(compiled, fn, grid, args, _TEMPLATE_REBIND, device_index,
+                                  native=config.native_launch, direct=config.direct_launch)
+    if len(_templates) >= _TEMPLATE_LIMIT:
+        _templates.clear()
+    _templates[key] = template
 
 
 def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dtype: torch.dtype | None = None,

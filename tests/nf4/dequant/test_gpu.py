@@ -721,3 +721,127 @@ def test_a_fresh_quant_state_every_call_is_exact(nf4h):
     for i in range(3):
         fresh = nf4h.clone_state(qs)
         assert_bitexact(nf4.dequantize(w.data, fresh), expected, name=f"fresh state {i}")
+
+
+def _misaligned_copy(t: torch.Tensor, shift_bytes: int) -> torch.Tensor:
+    """A contiguous copy of `t` whose data pointer is `shift_bytes` past a 16-byte boundary."""
+    width = t.element_size()
+    assert shift_bytes % width == 0
+    buf = torch.empty(t.numel() + 16 // width + 1, dtype=t.dtype, device=t.device)
+    start = (-buf.data_ptr() % 16 + shift_bytes) // width
+    out = buf[start:start + t.numel()].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 == shift_bytes
+    return out
+
+
+def _template_of(packed, state, out):
+    """The template the launch signature of dequantize(packed, state, out=out) would use, or None."""
+    if state.nested:
+        extra = (state.state2.absmax, state.state2.code, state.offset)
+    else:
+        extra = (dequant_api._dummy(packed.device),) * 3
+    config = dequant_api.tuned_config(packed.device, out.numel() * out.element_size())
+    key = dequant_api._template_key(packed, state.absmax, *extra, out, out.numel(), state.blocksize, state.nested,
+                                    True, config)
+    return dequant_api._templates.get(key)
+
+
+class _CountingBound:
+    """Stands in for a template's bound launch (its instance state, not a module's) and counts its launches."""
+
+    def __init__(self, inner, runs):
+        self.ctx = None
+        self.fn = lambda ctx, *a: (runs.append(1), inner.fn(inner.ctx, *a))
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["dq", "plain"])
+def test_first_call_of_a_new_state_launches_through_a_template_and_stays_exact(nf4h, nested):
+    """A QuantState's first call (no plan yet) launches through the template of its launch signature, with
+    every pointer of this call: new weights with new bytes and new QuantStates, each exact and each writing all
+    of a poisoned out; a state whose tensors sit at another alignment, packed bytes at another alignment and
+    another output dtype each get a template of their own, and the plan still comes on the second call."""
+    shape, dtype = (257, 1029), torch.bfloat16
+    for i in range(3):
+        p, s = nf4h.quantize(shape, dtype, 64, nested, device=CUDA, seed=nf4h.case_seed("tmpl", nested, i))
+        buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=8)
+        if i == 0:
+            nf4.dequantize(p, nf4h.clone_state(s), out=out)  # the signature's first launch: the template made
+        template = _template_of(p, s, out)
+        assert template is not None, "no template for this launch signature"
+        inner, runs = template.bound, []
+        template.bound = _CountingBound(inner, runs)
+        try:
+            nf4h.poison(buf)
+            assert nf4.dequantize(p, s, out=out) is out
+        finally:
+            template.bound = inner
+        assert runs == [1], "the first call of a new QuantState did not take the template"
+        assert_bitexact(out, _bnb(p, s), name=f"template launch {i}")
+        nf4h.assert_poison_intact(buf, 8, 8 + out.numel())
+        assert dequant_api.cached_plan(s) is None
+        assert_bitexact(nf4.dequantize(p, s), _bnb(p, s), name=f"second call {i} (full path, plan made)")
+        assert dequant_api.cached_plan(s) is not None
+    # other alignments and dtypes: templates of their own, each exact on its first call
+    packed, state = p, s
+    shifted = nf4h.clone_state(state, absmax=_misaligned_copy(state.absmax, 4 if not nested else 1))
+    cases = (("absmax misaligned", _misaligned_copy(packed, 0), shifted, dtype),
+             ("packed at +4", _misaligned_copy(packed, 4), state, dtype),
+             ("packed at +1", _misaligned_copy(packed, 1), state, dtype),
+             ("float32 out", _misaligned_copy(packed, 0), state, torch.float32))
+    for name, p, s, out_dtype in cases:
+        expected = _bnb(p, nf4h.clone_state(s, dtype=out_dtype))
+        for i in range(2):
+            fresh = nf4h.clone_state(s) if name != "absmax misaligned" else nf4h.clone_state(
+                s, absmax=_misaligned_copy(s.absmax, s.absmax.data_ptr() % 16))  # clone_state re-aligns it
+            buf, out = nf4h.poisoned_out(shape, out_dtype, CUDA, lead=8)
+            assert nf4.dequantize(p, fresh, out=out, dtype=out_dtype) is out
+            assert_bitexact(out, expected, name=f"{name}, call {i}")
+            nf4h.assert_poison_intact(buf, 8, 8 + out.numel())
+            assert _template_of(p, fresh, out) is not None, name
+
+
+def test_templates_keep_no_weight_alive_and_stand_aside_for_hooks_and_plan_false(nf4h):
+    """A template holds pointers only: the weight and its state die with their last reference. With a Triton
+    launch hook installed (a profiler) or `DequantConfig(plan=False)` the call takes Triton's launch."""
+    import gc
+    import weakref
+
+    from triton import knobs
+
+    from nf4 import DequantConfig
+
+    shape, dtype = (129, 333), torch.float16
+    packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("tmpl-alive"))
+    nf4.dequantize(packed, state)
+    fresh = nf4h.clone_state(state)
+    expected = _bnb(packed, fresh)
+    assert_bitexact(nf4.dequantize(packed, fresh), expected, name="template launch")
+    refs = [weakref.ref(t) for t in (packed, fresh.absmax, fresh.state2.absmax)]
+    del packed, fresh, state
+    gc.collect()
+    assert all(r() is None for r in refs), "a template keeps a freed tensor alive"
+    packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("tmpl-hook"))
+    nf4.dequantize(packed, state)
+    seen = []
+    hook = lambda meta: seen.append(meta)  # noqa: E731
+    chain = knobs.runtime.launch_enter_hook
+    saved = chain
+    if hasattr(chain, "add"):  # Triton 3.6+: a chain of hooks
+        chain.add(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+    try:
+        got = nf4.dequantize(packed, nf4h.clone_state(state))
+        torch.cuda.synchronize()
+    finally:
+        if hasattr(chain, "add"):
+            chain.remove(hook)
+        else:
+            knobs.runtime.launch_enter_hook = saved
+    assert seen, "with a launch hook installed the call did not go through Triton's launcher"
+    assert_bitexact(got, _bnb(packed, state), name="with a launch hook")
+    count = len(dequant_api._templates)
+    got = nf4.dequantize(packed, nf4h.clone_state(state), config=DequantConfig(plan=False))
+    assert_bitexact(got, _bnb(packed, state), name="plan=False")
+    assert len(dequant_api._templates) == count, "plan=False made a template"
