@@ -22,7 +22,8 @@ through a temp dir and does not depend on transformers' loading code, which chan
 `peft.get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[q,k,v,o,gate,up,down]_proj,
 lora_dropout=0.0, task_type="CAUSAL_LM"))`. Gradient checkpointing off; attention `--attn` (sdpa by default).
 
-Modes (--modes; each is a context the same model runs in, interleaved A B C A B C ... so drift reaches all):
+Modes (--modes; each is a context the same model runs in, interleaved with the order rotating every round,
+  A B C, B C A, C A B, ..., so drift reaches all and no mode always follows the same one):
   bnb        bitsandbytes alone;
   nf4        inside `nf4.patched_bitsandbytes()`: bitsandbytes' NF4 dequantization through nf4 (bit-identical);
   nf4_fused  inside `nf4.patched_bitsandbytes(fused_linear=True)`: also `matmul_4bit` of 1-32 rows to nf4.linear
@@ -138,13 +139,18 @@ def loss_bits(loss) -> int:
 
 
 def interleave(runs: dict[str, Callable[[], tuple[float, object]]], *, warmup: int, steps: int) -> dict:
-    """Call every run in turn (A B A B ...): `warmup` rounds untimed, then `steps` rounds timed.
+    """Call every run once per round: `warmup` rounds untimed, then `steps` rounds timed. The order rotates by
+    one each round (A B C, B C A, C A B, ...), so that no run always follows the same one (a step after another
+    mode's step can find its caches and clocks in the state that mode left).
 
     Each run returns (ms, record). Returns {name: {"times": timed ms, "records": every record, warm-ups too}}.
     """
     out = {name: {"times": [], "records": []} for name in runs}
+    names = list(runs)
     for i in range(warmup + steps):
-        for name, run in runs.items():
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            run = runs[name]
             ms, record = run()
             out[name]["records"].append(record)
             if i >= warmup:

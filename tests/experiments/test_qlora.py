@@ -116,10 +116,13 @@ def test_interleave_order_and_warmup():
         return run
 
     res = qlora.interleave({"bnb": make("bnb"), "nf4": make("nf4")}, warmup=2, steps=3)
-    assert calls == ["bnb", "nf4"] * 5
-    assert res["bnb"]["times"] == [5.0, 7.0, 9.0] and res["nf4"]["times"] == [6.0, 8.0, 10.0]
-    assert [r[1] for r in res["bnb"]["records"]] == [1, 3, 5, 7, 9]  # warm-up records kept
+    assert calls == ["bnb", "nf4", "nf4", "bnb"] * 2 + ["bnb", "nf4"]  # the order rotates every round
+    assert res["bnb"]["times"] == [5.0, 8.0, 9.0] and res["nf4"]["times"] == [6.0, 7.0, 10.0]
+    assert [r[1] for r in res["bnb"]["records"]] == [1, 4, 5, 8, 9]  # warm-up records kept
     assert len(res["nf4"]["records"]) == 5
+    calls.clear()
+    qlora.interleave({name: make(name) for name in "abc"}, warmup=0, steps=4)
+    assert calls == list("abc" "bca" "cab" "abc")
 
 
 def test_compare():
