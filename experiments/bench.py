@@ -134,7 +134,8 @@ def call_forms(case="4096x4096:bf16", calls=100) -> list[dict]:
     packed storage on every call (what bitsandbytes' MatMul4Bit.backward passes); a weight at a new
     address on every call (as FSDP all-gathers it; rotating among copies); a new QuantState object
     every call (a shallow copy, whose cost every row includes; nf4's cache always misses); and, for
-nf4, the new-QuantState call with the plan cache turned off, and the two paired with each other. Every
+nf4, the new-QuantState call with the plan cache turned off, and the miss paired with it (also with the
+first-call template on). Every
     provider is checked bit-exact on the weight first.
     """
     import bitsandbytes as bnb
@@ -199,11 +200,20 @@ nf4, the new-QuantState call with the plan cache turned off, and the two paired 
     print(f"  host nf4 without plan cache {h['median_us']:6.1f} us (JIT launch {h['ref_median_us']:5.1f})", flush=True)
     # The cache miss against a call made without any cache, in alternating batches of their own (the two rows
     # above are each paired with a JIT launch, in batches minutes apart).
-    h = timing.host_time_pair_us(lambda _: nf4.dequantize(packed, copy.copy(qs)), [None],
-                                 lambda _: nf4.dequantize(packed, copy.copy(qs), config=no_plan), [None], calls=calls)
-    rows.append({"case": case, "provider": "nf4", "form": "cache miss (new QuantState) paired with no cache",
-                 "mismatches": 0, "host_us": h["median_us"], "no_cache_host_us": h["ref_median_us"]})
-    print(f"  host nf4 cache miss {h['median_us']:6.1f} us, no cache {h['ref_median_us']:6.1f} us (paired)", flush=True)
+    # With DequantConfig(first_call_template=True) (off by default until measured) the miss launches through a
+    # template bound per launch signature; its result is checked first.
+    template = dequant_api.tuned_config(packed.device, packed.numel() * 4).with_(first_call_template=True)
+    for form, config in (("cache miss (new QuantState) paired with no cache", None),
+                         ("cache miss, first_call_template=True, paired with no cache", template)):
+        bad = sum(bitexact_count(nf4.dequantize(packed, copy.copy(qs), config=config), expected) for _ in range(2))
+        row = {"case": case, "provider": "nf4", "form": form, "mismatches": bad}
+        if not bad:
+            h = timing.host_time_pair_us(lambda _, c=config: nf4.dequantize(packed, copy.copy(qs), config=c), [None],
+                                         lambda _: nf4.dequantize(packed, copy.copy(qs), config=no_plan), [None],
+                                         calls=calls)
+            row.update(host_us=h["median_us"], no_cache_host_us=h["ref_median_us"])
+            print(f"  host nf4 {form}: {h['median_us']:6.1f} us, no cache {h['ref_median_us']:6.1f} us", flush=True)
+        rows.append(row)
     return rows
 
 

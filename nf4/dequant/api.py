@@ -133,10 +133,10 @@ class _Template:
     """A compiled launch bound for every weight of one launch signature (`_template_key`: sizes, dtypes,
     flags, the config and the pointers' alignment), all six tensor pointers passed anew per launch.
 
-    It serves a QuantState's first call, validated but without a plan yet (a plan is made the second
-    time): the launch then skips building the kernel's arguments, Triton's specialisation key and its
-    launcher, which cost several times the checks. It holds no tensor (pointers are bound per call) and
-    keeps its config alive, so the config's id in the key stays its own.
+    With `DequantConfig(first_call_template=True)` it serves a QuantState's first call, validated but
+    without a plan yet (a plan is made the second time): the launch then skips building the kernel's
+    arguments, Triton's specialisation key and its launcher. It holds no tensor (pointers are bound per
+    call) and keeps its config alive, so the config's id in the key stays its own.
     """
 
     __slots__ = ("bound", "config")
@@ -155,7 +155,7 @@ def _plan_due(qs) -> bool:
 
     A plan is made the second time a QuantState takes the full path (or when its plan no longer fits
     the call), so that a caller handing a new QuantState to every call pays no more than a call without
-    the cache (one weak reference); its first call launches through a template instead.
+    the cache (one weak reference); with `first_call_template`, its first call launches through a template.
     """
     key = id(qs)
     if key in _plans:
@@ -434,26 +434,28 @@ def launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ft
     asked = config
     if config is None:
         config = tuned_config(device, n * out.element_size())
-    key = None
-    if (config.plan and not config.fp_fusion and device.type == "cuda" and not runtime.is_recording()
-            and not runtime.interpreting(device)):
+    cacheable = config.plan and not config.fp_fusion
+    due, key = False, None
+    # (runtime.launch compiles, and returns the compiled kernel, exactly when this holds)
+    if cacheable and device.type == "cuda" and not runtime.is_recording() and not runtime.interpreting(device):
         due = plan_for is not None and _plan_due(plan_for[1])
-        if absmax2 is None:
-            absmax2 = code2 = offset = _dummy(device)
-        key = _template_key(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, config)
-        template = None if due else _templates.get(key)
-        if template is not None and template.config is config and not runtime.hooks_active():
-            bound = template.bound
-            bound.fn(bound.ctx, _raw_stream(device.index), packed.data_ptr(), absmax.data_ptr(), absmax2.data_ptr(),
-                     code2.data_ptr(), offset.data_ptr(), out.data_ptr())
-            return out
+        if config.first_call_template:
+            if absmax2 is None:
+                absmax2 = code2 = offset = _dummy(device)
+            key = _template_key(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz, config)
+            template = None if due else _templates.get(key)
+            if template is not None and template.config is config and not runtime.hooks_active():
+                bound = template.bound
+                bound.fn(bound.ctx, _raw_stream(device.index), packed.data_ptr(), absmax.data_ptr(),
+                         absmax2.data_ptr(), code2.data_ptr(), offset.data_ptr(), out.data_ptr())
+                return out
     fn, grid, args, options = kernel_launch(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz,
                                             config, vec=packed.data_ptr() % 4 == 0)
     compiled = runtime.launch(fn, grid, args, device=device, **options)
-    if key is not None and compiled is not None:
+    if compiled is not None and cacheable:
         if due:
             _make_plan(plan_for[0], plan_for[1], compiled, args, grid[0], config, asked)
-        if key not in _templates and not runtime.hooks_active():
+        if key is not None and key not in _templates and not runtime.hooks_active():
             _remember_template(key, compiled, fn, grid, args, config, device.index)
     return out
 

@@ -28,6 +28,10 @@ class DequantConfig:
     plan: bool = True  # remember a validated call, so that the next one with its QuantState skips the checks
     native_launch: bool = True  # repeat calls through nf4's own C launch function where it applies
     direct_launch: bool = True  # else through Triton's C launch function (not its Python wrapper)
+    # A QuantState's first call (no plan yet) through a launch bound once per launch signature, every tensor
+    # pointer passed anew (nf4.dequant.api._Template), instead of Triton's launcher. Off by default until its GPU
+    # tests (tests/nf4/dequant/test_gpu.py, "template") and the host-time bench have run on both GPUs.
+    first_call_template: bool = False
 
     def __post_init__(self):
         if self.tile_bytes < 4 or self.tile_bytes & (self.tile_bytes - 1):

@@ -735,13 +735,18 @@ def _misaligned_copy(t: torch.Tensor, shift_bytes: int) -> torch.Tensor:
     return out
 
 
-def _template_of(packed, state, out):
-    """The template the launch signature of dequantize(packed, state, out=out) would use, or None."""
+def _template_config(out_bytes: int):
+    """The tuned config with the first-call template on."""
+    device = torch.device(CUDA, torch.cuda.current_device())
+    return dequant_api.tuned_config(device, out_bytes).with_(first_call_template=True)
+
+
+def _template_of(packed, state, out, config):
+    """The template the launch signature of dequantize(packed, state, out=out, config=config) would use, or None."""
     if state.nested:
         extra = (state.state2.absmax, state.state2.code, state.offset)
     else:
         extra = (dequant_api._dummy(packed.device),) * 3
-    config = dequant_api.tuned_config(packed.device, out.numel() * out.element_size())
     key = dequant_api._template_key(packed, state.absmax, *extra, out, out.numel(), state.blocksize, state.nested,
                                     True, config)
     return dequant_api._templates.get(key)
@@ -762,25 +767,26 @@ def test_first_call_of_a_new_state_launches_through_a_template_and_stays_exact(n
     of a poisoned out; a state whose tensors sit at another alignment, packed bytes at another alignment and
     another output dtype each get a template of their own, and the plan still comes on the second call."""
     shape, dtype = (257, 1029), torch.bfloat16
+    config = _template_config(2 * math.prod(shape))
     for i in range(3):
         p, s = nf4h.quantize(shape, dtype, 64, nested, device=CUDA, seed=nf4h.case_seed("tmpl", nested, i))
         buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=8)
         if i == 0:
-            nf4.dequantize(p, nf4h.clone_state(s), out=out)  # the signature's first launch: the template made
-        template = _template_of(p, s, out)
+            nf4.dequantize(p, nf4h.clone_state(s), out=out, config=config)  # the signature's first launch
+        template = _template_of(p, s, out, config)
         assert template is not None, "no template for this launch signature"
         inner, runs = template.bound, []
         template.bound = _CountingBound(inner, runs)
         try:
             nf4h.poison(buf)
-            assert nf4.dequantize(p, s, out=out) is out
+            assert nf4.dequantize(p, s, out=out, config=config) is out
         finally:
             template.bound = inner
         assert runs == [1], "the first call of a new QuantState did not take the template"
         assert_bitexact(out, _bnb(p, s), name=f"template launch {i}")
         nf4h.assert_poison_intact(buf, 8, 8 + out.numel())
         assert dequant_api.cached_plan(s) is None
-        assert_bitexact(nf4.dequantize(p, s), _bnb(p, s), name=f"second call {i} (full path, plan made)")
+        assert_bitexact(nf4.dequantize(p, s, config=config), _bnb(p, s), name=f"second call {i} (full path, plan made)")
         assert dequant_api.cached_plan(s) is not None
     # other alignments and dtypes: templates of their own, each exact on its first call
     packed, state = p, s
@@ -790,15 +796,16 @@ def test_first_call_of_a_new_state_launches_through_a_template_and_stays_exact(n
              ("packed at +1", _misaligned_copy(packed, 1), state, dtype),
              ("float32 out", _misaligned_copy(packed, 0), state, torch.float32))
     for name, p, s, out_dtype in cases:
-        expected = _bnb(p, nf4h.clone_state(s, dtype=out_dtype))
+        expected = _bnb(packed, nf4h.clone_state(s, dtype=out_dtype))  # the same bytes, aligned
+        cfg = config if out_dtype == dtype else _template_config(4 * math.prod(shape))
         for i in range(2):
             fresh = nf4h.clone_state(s) if name != "absmax misaligned" else nf4h.clone_state(
                 s, absmax=_misaligned_copy(s.absmax, s.absmax.data_ptr() % 16))  # clone_state re-aligns it
             buf, out = nf4h.poisoned_out(shape, out_dtype, CUDA, lead=8)
-            assert nf4.dequantize(p, fresh, out=out, dtype=out_dtype) is out
+            assert nf4.dequantize(p, fresh, out=out, dtype=out_dtype, config=cfg) is out
             assert_bitexact(out, expected, name=f"{name}, call {i}")
             nf4h.assert_poison_intact(buf, 8, 8 + out.numel())
-            assert _template_of(p, fresh, out) is not None, name
+            assert _template_of(p, fresh, out, cfg) is not None, name
 
 
 def test_templates_keep_no_weight_alive_and_stand_aside_for_hooks_and_plan_false(nf4h):
@@ -809,20 +816,22 @@ def test_templates_keep_no_weight_alive_and_stand_aside_for_hooks_and_plan_false
 
     from triton import knobs
 
-    from nf4 import DequantConfig
-
     shape, dtype = (129, 333), torch.float16
+    config = _template_config(2 * math.prod(shape))
     packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("tmpl-alive"))
-    nf4.dequantize(packed, state)
+    nf4.dequantize(packed, state, config=config)
     fresh = nf4h.clone_state(state)
     expected = _bnb(packed, fresh)
-    assert_bitexact(nf4.dequantize(packed, fresh), expected, name="template launch")
+    buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=8)
+    assert _template_of(packed, fresh, out, config) is not None
+    assert_bitexact(nf4.dequantize(packed, fresh, out=out, config=config), expected, name="template launch")
+    del buf, out
     refs = [weakref.ref(t) for t in (packed, fresh.absmax, fresh.state2.absmax)]
     del packed, fresh, state
     gc.collect()
     assert all(r() is None for r in refs), "a template keeps a freed tensor alive"
     packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("tmpl-hook"))
-    nf4.dequantize(packed, state)
+    nf4.dequantize(packed, state, config=config)
     seen = []
     hook = lambda meta: seen.append(meta)  # noqa: E731
     chain = knobs.runtime.launch_enter_hook
@@ -832,7 +841,7 @@ def test_templates_keep_no_weight_alive_and_stand_aside_for_hooks_and_plan_false
     else:
         knobs.runtime.launch_enter_hook = hook
     try:
-        got = nf4.dequantize(packed, nf4h.clone_state(state))
+        got = nf4.dequantize(packed, nf4h.clone_state(state), config=config)
         torch.cuda.synchronize()
     finally:
         if hasattr(chain, "add"):
@@ -842,6 +851,6 @@ def test_templates_keep_no_weight_alive_and_stand_aside_for_hooks_and_plan_false
     assert seen, "with a launch hook installed the call did not go through Triton's launcher"
     assert_bitexact(got, _bnb(packed, state), name="with a launch hook")
     count = len(dequant_api._templates)
-    got = nf4.dequantize(packed, nf4h.clone_state(state), config=DequantConfig(plan=False))
+    got = nf4.dequantize(packed, nf4h.clone_state(state), config=config.with_(plan=False))
     assert_bitexact(got, _bnb(packed, state), name="plan=False")
     assert len(dequant_api._templates) == count, "plan=False made a template"
