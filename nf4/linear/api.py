@@ -25,7 +25,7 @@ import triton
 from .. import runtime
 from ..dequant.api import _check_state, _dummy, _unpack_module, code_table
 from ..dequant.api import dequantize as _dequantize
-from .config import FALLBACK, LinearConfig, tuned
+from .config import FALLBACK, INTERPRET_PROGRAMS, LinearConfig, tuned
 from .kernel import (
     nf4_gemm_kernel,
     nf4_gemv_kernel,
@@ -228,9 +228,14 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
                 (nf4_split_sum_kernel, (triton.cdiv(m * w.N, SUM_BLOCK),), sum_args, {"num_warps": 4})]
     block_k = min(w.blocksize, config.block_k)  # one absmax block per row and step
     args.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP=config.group,
-                SWAP=config.swap and not trans, DOT_F32=interpreting)
+                SWAP=config.swap and not trans, DOT_F32=interpreting, PERSIST=config.persistent > 0)
     tiles = triton.cdiv(kb, block_k // 2) if trans else triton.cdiv(w.N, config.block_n)
-    grid = (triton.cdiv(m, config.block_m) * tiles,)
+    tiles *= triton.cdiv(m, config.block_m)
+    if config.persistent:
+        on_gpu = x.device.type == "cuda" and not interpreting  # (meta tensors: an offline compile, any grid)
+        programs = config.persistent * runtime.sm_count(x.device) if on_gpu else INTERPRET_PROGRAMS
+        tiles = min(tiles, programs)
+    grid = (tiles,)
     return [(nf4_gemm_kernel, grid, args, {"num_warps": config.num_warps, "num_stages": config.num_stages})]
 
 

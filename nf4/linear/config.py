@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 PATHS = ("gemv", "gemm", "dequant")
+INTERPRET_PROGRAMS = 3  # programs of a persistent gemm in Triton's interpreter (several tiles each on small cases)
 
 
 def _pow2(v) -> bool:
@@ -42,6 +43,9 @@ class LinearConfig:
     block_k: int = 128
     group: int = 8
     swap: bool = False  # forward: out^T = W @ x^T, the decoded tile as tl.dot's first operand (small M)
+    # gemm: programs per multiprocessor that loop over the output tiles (persistent); 0: one program per tile.
+    # Triton's interpreter runs INTERPRET_PROGRAMS programs instead.
+    persistent: int = 0
     num_stages: int = 3
     num_warps: int = 4
     # 0: 16-entry table gather, 1: select tree, 2: 256-entry table of level pairs, 3 (GEMV forward): each
@@ -62,12 +66,15 @@ class LinearConfig:
         for name in ("block_r", "step_bytes", "block_m", "block_n", "block_k", "group"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"LinearConfig.{name} must be a power of two, got {getattr(self, name)}")
-        for name in ("split_k", "programs_per_sm", "num_stages", "num_warps", "codebook"):
+        for name in ("split_k", "programs_per_sm", "persistent", "num_stages", "num_warps", "codebook"):
             if type(getattr(self, name)) is not int:
                 raise TypeError(f"LinearConfig.{name} must be an int, got {getattr(self, name)!r}")
         for name in ("swap", "bf16_bits", "plan", "mma"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LinearConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.persistent < 0:
+            raise ValueError(f"LinearConfig.persistent must be >= 0 (programs per multiprocessor), got "
+                             f"{self.persistent}")
         if self.split_k < 0 or self.programs_per_sm < 1:
             raise ValueError(f"LinearConfig: split_k must be >= 0 and programs_per_sm >= 1, got {self.split_k}, "
                              f"{self.programs_per_sm}")

@@ -572,8 +572,9 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
-def nf4_gemm_kernel(
+@triton.jit
+def _gemm_tile(
+    pid,  # the output tile (in the program order below)
     x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
     M, N, K, KB,
     BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
@@ -586,13 +587,9 @@ def nf4_gemm_kernel(
     DOT_F32: tl.constexpr,  # multiply float32 copies of the 16-bit operands (exact; Triton's interpreter
     # multiplies bfloat16 tiles as their integer bits)
 ):
-    """Forward: out[M, N] = x[M, K] @ W^T (+ bias); TRANS: out[M, K] = x[M, N] @ W. The grid is
-    cdiv(M, BLOCK_M) * cdiv(N or K, BLOCK_N or BLOCK_K) programs. A step decodes BLOCK_K / 2 bytes of
-    BLOCK_N rows into their even and odd weights and multiplies each half with the matching half of
-    x's columns (two tl.dot of K = BLOCK_K / 2), so no interleave of the decoded tile is needed."""
+    """One output tile of nf4_gemm_kernel."""
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     HALF: tl.constexpr = BLOCK_K // 2
-    pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     # program order: GROUP tiles along M for each tile of W's output dimension, so the programs
     # that share a decoded W tile run together
@@ -657,3 +654,38 @@ def nf4_gemm_kernel(
         pair = _bits16(acc_even, X_DT, BF16_BITS) | (_bits16(acc_odd, X_DT, BF16_BITS) << 16)
         outw_ptr = out_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
         tl.store(outw_ptr + m[:, None] * KB + j[None, :], pair, mask=m_ok[:, None] & (j < KB)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def nf4_gemm_kernel(
+    x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
+    M, N, K, KB,
+    BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
+    CODEBOOK: tl.constexpr, W_DT: tl.constexpr, X_DT: tl.constexpr, TRANS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # weights of a row per step (at most BLOCKSIZE): BLOCK_K / 2 bytes
+    GROUP: tl.constexpr,  # output tiles along M that run next to each other (W tile reuse in L2)
+    SWAP: tl.constexpr,  # forward: compute out^T = W @ x^T (the decoded tile is tl.dot's first operand)
+    BF16_BITS: tl.constexpr, EVICT: tl.constexpr,
+    DOT_F32: tl.constexpr,  # multiply float32 copies of the 16-bit operands (exact; Triton's interpreter
+    # multiplies bfloat16 tiles as their integer bits)
+    PERSIST: tl.constexpr,  # the programs loop over the output tiles (grid: fewer programs than tiles)
+):
+    """Forward: out[M, N] = x[M, K] @ W^T (+ bias); TRANS: out[M, K] = x[M, N] @ W. The grid is
+    cdiv(M, BLOCK_M) * cdiv(N or K, BLOCK_N or BLOCK_K) programs. A step decodes BLOCK_K / 2 bytes of
+    BLOCK_N rows into their even and odd weights and multiplies each half with the matching half of
+    x's columns (two tl.dot of K = BLOCK_K / 2), so no interleave of the decoded tile is needed. PERSIST: a
+    grid of any size, each program taking tiles pid, pid + programs, ... in the same order."""
+    if PERSIST:
+        if not TRANS:
+            n_o = tl.cdiv(N, BLOCK_N)
+        else:
+            n_o = tl.cdiv(KB, BLOCK_K // 2)
+        for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * n_o, tl.num_programs(0)):
+            _gemm_tile(tile, x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr,
+                       out_ptr, M, N, K, KB, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, W_DT, X_DT, TRANS, HAS_BIAS,
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, BF16_BITS, EVICT, DOT_F32)
+    else:
+        _gemm_tile(tl.program_id(0), x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
+                   bias_ptr, out_ptr, M, N, K, KB, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, W_DT, X_DT, TRANS,
+                   HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, BF16_BITS, EVICT, DOT_F32)

@@ -1,4 +1,4 @@
-"""l10-l17: the tl.dot kernel (tensor cores) at every M, and one of its meta-parameters at a time.
+"""l10-l18: the tl.dot kernel (tensor cores) at every M, and one of its meta-parameters at a time.
 
 Teaches where the tile's time goes. l10 is the interpreter's tile for M > 4 (nf4.linear.config.GEMM:
 128x128 output, K step 64 = one absmax block, 8 warps, no software pipelining, 16-entry table
@@ -10,7 +10,8 @@ member changes one thing:
 - l13 a 64x64 output tile; l14 the select-tree codebook; l15 the 256-entry pair table;
 - l16 the table's small-M tile (nf4.linear.config.GEMM_SMALL: swapped, 16x64, 4 warps) at every M;
 - l17 GROUP = 1: programs walk the output tiles along N for one M tile at a time, instead of 8 M
-  tiles in a row sharing each decoded W tile (L2 reuse of the packed bytes).
+  tiles in a row sharing each decoded W tile (L2 reuse of the packed bytes);
+- l18 persistent: one program per multiprocessor loops over the output tiles (in l10's order).
 
 The ablations asked for the linear, and what covers them:
 - decode in registers vs through shared memory: the operand order (l11 against l10) is the closest
@@ -24,8 +25,8 @@ The ablations asked for the linear, and what covers them:
   an output tile and walks K); the order of the programs over the output tiles is l17 (N-major,
   GROUP = 1) against l10 (grouped along M). Splitting K across programs is the GEMV's split-K
   (l04 against l01/l05); the tl.dot kernel has no split-K.
-- persistent vs not: not expressible; both kernels launch one program per output tile (or block of
-  rows), and no config makes a program loop over tiles.
+- persistent vs not: l18 (one program per multiprocessor, each taking output tiles pid, pid +
+  programs, ... in l10's order; `LinearConfig.persistent`) against l10 (one program per tile).
 
 On sm_75 (offline compile, Triton 3.9) `tl.dot` becomes float32 FMAs in fp16 and bf16 alike (no
 mma.sync): the 128x128 tile then spills 10-11 KB per thread (those members declare spills_expected),
@@ -57,11 +58,13 @@ FAMILY = [
      "the table's small-M tile at every M: swapped, 16x64, K step 64, 4 warps, 1 stage"),
     ("l17_gemm_group1", "l10_gemm", GEMM.with_(group=1),
      "program order N-major (GROUP 1) instead of 8 M tiles in a row per decoded W tile"),
+    ("l18_gemm_persistent", "l10_gemm", GEMM.with_(persistent=1),
+     "persistent: one program per multiprocessor looping over the output tiles in the same order"),
 ]
 
 # Measured (sm_75 offline): the 128x128 float32 tile of FMAs spills there.
 SPILLS_ON_SM75 = {"l10_gemm", "l11_gemm_swap", "l12_gemm_stages3", "l14_gemm_select_tree", "l15_gemm_pair_table",
-                  "l17_gemm_group1"}
+                  "l17_gemm_group1", "l18_gemm_persistent"}
 
 for _id, _parent, _config, _change in FAMILY:
     register(_id, parent=_parent, change=_change, kernel=nf4_gemm_kernel, spills_expected=_id in SPILLS_ON_SM75,

@@ -28,6 +28,8 @@ FORWARD = {
     "gemv-table": LinearConfig(path="gemv", split_k=2, block_r=16, step_bytes=32, codebook=3),
     "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=1),
     "gemm-swap": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=128, swap=True, codebook=0),
+    # persistent: the interpreter's 3 programs loop over all the output tiles
+    "gemm-persistent": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=1),
     "tuned": None,  # the interpreter's rows: GEMV for M <= 4, the tl.dot kernel above
 }
 BACKWARD = {
@@ -35,6 +37,7 @@ BACKWARD = {
     "gemv-small": LinearConfig(path="gemv", block_r=8, step_bytes=16, codebook=1),
     "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=0),
     "gemm-wide": LinearConfig(path="gemm", block_m=32, block_n=16, block_k=128, swap=True),  # swap: forward only
+    "gemm-persistent": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=2),
     "tuned": None,
 }
 

@@ -415,3 +415,27 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
     assert linear_api.launch_config(GEMV_MMA8, w, x(8), packed, 8, False) is GEMV
     assert linear_api.launch_config(GEMV_MMA16, w, x(16), packed, 16, False) is DEQUANT
     assert linear_api.launch_config(GEMV_MMA32, w, x(32), packed, 32, False) is DEQUANT
+
+
+def test_persistent_gemm_writes_every_tile_with_fewer_programs(nf4h):
+    """A persistent tl.dot grid (fewer programs than output tiles, each looping over tiles pid, pid + programs,
+    ...) writes every element of a poisoned out and nothing outside it, forward and backward, and equals the
+    one-program-per-tile grid bit for bit (each tile is computed the same way)."""
+    from nf4 import runtime
+    from nf4.linear import api
+    from nf4.linear.config import INTERPRET_PROGRAMS
+
+    config = LinearConfig(path="gemm", block_m=16, block_n=16, block_k=64, codebook=0, persistent=1)
+    n, k, m = 70, 128, 37  # 5 x 3 forward tiles, 2 x 3 backward (K / 2 = 64 bytes in steps of 32)
+    packed, qs = nf4h.quantize((n, k), torch.bfloat16, 64, True, seed=nf4h.case_seed("persistent-gemm"))
+    w = api._weight(packed, qs)
+    g = torch.Generator().manual_seed(nf4h.case_seed("persistent-gemm-x"))
+    for trans, width, n_out, tiles in ((False, k, n, 15), (True, n, k, 6)):
+        x = torch.randn(m, width, generator=g).to(torch.bfloat16)
+        buf, out = nf4h.poisoned_out((m, n_out), torch.bfloat16, "cpu", lead=3)
+        ((fn, grid, args, options),) = api.kernel_args(x, packed, w, None, out, m, trans, config, False, True)
+        assert grid == (INTERPRET_PROGRAMS,) and INTERPRET_PROGRAMS < tiles
+        runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
+        nf4h.assert_poison_intact(buf, 3, 3 + out.numel())
+        expected = api.run(x, packed, w, None, trans=trans, config=config.with_(persistent=0), ftz=False)
+        assert_bitexact(out, expected, name=f"persistent gemm, trans={trans}")

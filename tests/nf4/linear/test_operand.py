@@ -5,7 +5,7 @@ picks single weights, so `x @ W^T` must be `scale * nf4.dequantize(W).to(x.dtype
 whatever the summation order; identity rows of dY do the same for the backward `dY @ W`. Every
 weight is checked (a permutation of all columns, or of all rows for the backward), and a few rows of x
 at random columns keep the GEMV at the M it is tuned for. Covered: the GEMV (split-K 1, 2, 3, auto),
-the tl.dot kernel (plain and swapped), the interpreter's tuned rows, every blocksize a linear may have
+the tl.dot kernel (plain, swapped and persistent), the interpreter's tuned rows, every blocksize a linear may have
 up to 256, N odd and not a multiple of any tile, double quantization on and off, three quant_storage
 dtypes, x float16 / bfloat16 against weights of float16 / bfloat16 / float32, ftz on and off.
 """
@@ -35,8 +35,9 @@ STORAGES = (torch.uint8, torch.bfloat16, torch.float32)
 # blocksize -> K: whole blocks per row (3, 2, 2, 1); 3 steps of 16 bytes at blocksize 32
 K_OF = {32: 96, 64: 128, 128: 256, 256: 256}
 N = 45  # odd; not a multiple of block_r (8, 16, 32) or block_n (16, 32, 128)
-FWD = ("gemv", "gemv-s1", "gemv-s2", "gemv-s3", "gemv-table", "gemm", "gemm-swap", "tuned")  # keys of lin.FORWARD
-BWD = ("gemv", "gemv-small", "gemm", "gemm-wide", "tuned")  # keys of lin.BACKWARD
+FWD = ("gemv", "gemv-s1", "gemv-s2", "gemv-s3", "gemv-table", "gemm", "gemm-swap", "gemm-persistent",
+       "tuned")  # keys of lin.FORWARD
+BWD = ("gemv", "gemv-small", "gemm", "gemm-wide", "gemm-persistent", "tuned")  # keys of lin.BACKWARD
 # (x dtype, W dtype, double quant, storage): every dtype pair and storage with double quantization,
 # and a third of them (each dtype pair once) without
 COMBOS = [(xd, wd, dq, st) for (xd, wd), dq, st in itertools.product(DTYPE_PAIRS, (True, False), STORAGES)
