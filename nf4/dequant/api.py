@@ -506,10 +506,15 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
     if ftz is not None and not isinstance(ftz, (bool, np.bool_)):
         raise TypeError(f"ftz must be True, False or None (the device's default), got {type(ftz).__name__} {ftz!r}")
     packed, qs = _unpack_module(weight, quant_state)
+    compiling = torch.compiler.is_compiling()
+    if type(packed) is not torch.Tensor and not compiling:
+        # A tensor subclass with its own __torch_function__ (bitsandbytes' Params4bit) makes each of the checks'
+        # tensor calls a Python dispatch; a plain alias of the same storage (not a copy) answers them directly.
+        with _NO_TORCH_FUNCTION():
+            packed = packed.as_subclass(torch.Tensor)
     shape, n, _, blocksize, out_dtype, nested, absmax, absmax2, code2, offset = _check_state(packed, qs, dtype)
     device = packed.device
     ftz = device.type == "cuda" if ftz is None else bool(ftz)
-    compiling = torch.compiler.is_compiling()
     if out is None:
         if n == 0 or not compiling:  # under torch.compile the op allocates its result
             out = torch.empty(shape, dtype=out_dtype, device=device)

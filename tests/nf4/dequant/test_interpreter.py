@@ -221,10 +221,14 @@ def test_linear4bit_and_params4bit(nf4h, via, compute_dtype):
     qs.dtype = compute_dtype  # as the challenge harness does; this state belongs to this test alone
     expect = nf4h.reference_dequant(layer.weight.data, qs)
     assert tuple(expect.shape) == (40, 96)
+    weight, before = layer.weight, layer.weight.data.clone()
     assert_bitexact(nf4.dequantize(layer), expect, name="Linear4bit")
     assert_bitexact(nf4.dequantize(layer.weight), expect, name="Params4bit")
     assert_bitexact(nf4.dequantize(layer.weight, qs), expect, name="Params4bit + quant_state")
     assert_bitexact(nf4.fast_dequantize(layer.weight, qs), expect, name="fast_dequantize")
+    # the checks read a plain alias of the Params4bit's storage: the parameter itself is left as it was
+    assert layer.weight is weight and type(weight).__name__ == "Params4bit" and weight.quant_state is qs
+    assert_bitexact(weight.data, before, name="Params4bit bytes after the calls")
 
 
 def test_linear4bit_bf16_storage(nf4h):
