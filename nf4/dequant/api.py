@@ -220,9 +220,11 @@ def code_table(device: torch.device, codebook: int = 0) -> torch.Tensor:
 
 
 def _dummy(device: torch.device) -> torch.Tensor:
+    """A stand-in for absent tensors (never read where it stands in), also 256 bytes of zeros that a kernel may
+    read (nf4.linear's tensor-core GEMV with warps_k > 1)."""
     t = _dummy_cache.get(device)
     if t is None:
-        t = torch.zeros(1, dtype=torch.float32, device=device)
+        t = torch.zeros(64, dtype=torch.float32, device=device)
         _dummy_cache[device] = t
     return t
 

@@ -210,7 +210,8 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
             for name in ("CODEBOOK", "W_DT", "TRANS", "ASM", "EVICT", "BLOCK_M", "BLOCK_R"):
                 del args[name]
             args.update(THREADS=32 * config.num_warps, HALF=min(half, 32),
-                        NTILE=triton.next_power_of_2(triton.cdiv(m, 8)))  # 8-row tiles of x: 1, 2 or 4
+                        NTILE=triton.next_power_of_2(triton.cdiv(m, 8)),  # 8-row tiles of x: 1, 2 or 4
+                        WARPS_K=config.warps_k, zero_ptr=dummy)  # dummy: zeros, enough for a step of x
         elif config.codebook == 3:
             if table_ok(w, x.dtype, packed, half, m):
                 kernel = nf4_gemv_table_kernel
@@ -301,7 +302,7 @@ def launch_config(config: LinearConfig, w: _Weight, x: torch.Tensor, packed: tor
     if config.path == "gemv" and config.codebook == 3 and not trans:
         half = min(w.blocksize // 2, config.step_bytes)
         if config.mma and not mma_ok(w, x, packed, half, m):
-            config = FALLBACK.get(config) or config.with_(mma=False)
+            config = FALLBACK.get(config) or config.with_(mma=False, warps_k=1)
         if config.codebook == 3 and not config.mma and not table_ok(w, x.dtype, packed, half, m):
             return FALLBACK.get(config) or config.with_(codebook=0)
     return config

@@ -53,9 +53,14 @@ class LinearConfig:
     # run, and in the other kernels, codebook 3 means 0)
     codebook: int = 2
     # codebook 3's GEMV with its products on tensor cores (nf4_gemv_mma_kernel: PTX mma.sync, M <= 32); a warp
-    # owns 16 rows of W, so block_r must be 16 * num_warps; step_bytes (16 or 32) is what one lane decodes of
-    # each of its two rows per step. Where it cannot run it falls back like codebook 3 (launch_config).
+    # (a group of warps_k warps, below) owns 16 rows of W, so block_r must be 16 * num_warps / warps_k;
+    # step_bytes (16 or 32) is what one lane decodes of each of its two rows per step. Where it cannot run it
+    # falls back like codebook 3 (launch_config).
     mma: bool = False
+    # the tensor-core GEMV: warps of a program that share each 16-row group and split the program's K range
+    # (their sums added in the program), so that fewer programs along K (split_k) are needed, down to a single
+    # launch; block_r must then be 16 * num_warps / warps_k
+    warps_k: int = 1
     evict: str = "evict_first"  # eviction policy of the packed bytes (read once per x tile)
     bf16_bits: bool = False  # round to bfloat16 with integer ops on the GPU too (the interpreter always does)
     plan: bool = True  # remember validated calls (the cheap repeat call)
@@ -66,7 +71,7 @@ class LinearConfig:
         for name in ("block_r", "step_bytes", "block_m", "block_n", "block_k", "group"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"LinearConfig.{name} must be a power of two, got {getattr(self, name)}")
-        for name in ("split_k", "programs_per_sm", "persistent", "num_stages", "num_warps", "codebook"):
+        for name in ("split_k", "programs_per_sm", "persistent", "num_stages", "num_warps", "codebook", "warps_k"):
             if type(getattr(self, name)) is not int:
                 raise TypeError(f"LinearConfig.{name} must be an int, got {getattr(self, name)!r}")
         for name in ("swap", "bf16_bits", "plan", "mma"):
@@ -89,9 +94,15 @@ class LinearConfig:
             raise ValueError(f"LinearConfig.codebook must be 0, 1, 2 or 3, got {self.codebook}")
         if self.mma and (self.path != "gemv" or self.codebook != 3):
             raise ValueError(f"LinearConfig.mma needs path='gemv' and codebook=3, got {self.path!r}, {self.codebook}")
-        if self.mma and self.block_r != 16 * self.num_warps:
-            raise ValueError(f"LinearConfig.block_r must be 16 * num_warps = {16 * self.num_warps} with mma=True "
-                             f"(a warp owns 16 rows), got {self.block_r}")
+        if not _pow2(self.warps_k) or self.num_warps % self.warps_k:
+            raise ValueError(f"LinearConfig.warps_k must be a power of two dividing num_warps = {self.num_warps}, "
+                             f"got {self.warps_k}")
+        if self.warps_k > 1 and not self.mma:
+            raise ValueError(f"LinearConfig.warps_k > 1 needs mma=True (the tensor-core GEMV), got {self.warps_k}")
+        if self.mma and self.block_r != 16 * self.num_warps // self.warps_k:
+            raise ValueError(f"LinearConfig.block_r must be 16 * num_warps / warps_k = "
+                             f"{16 * self.num_warps // self.warps_k} with mma=True (a group of warps_k warps owns "
+                             f"16 rows), got {self.block_r}")
 
     def with_(self, **changes) -> LinearConfig:
         """A copy with some fields changed."""

@@ -456,9 +456,38 @@ def _mma_store_tile(c0, c1, c2, c3, c4, c5, c6, c7, m0, out_ptr, bias_ptr, row_a
     _mma_store(c3 + c7, out_ptr, bias_ptr, row_b, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
 
 
+@triton.jit
+def _warps_sum(y, GROUPS: tl.constexpr, WARPS_K: tl.constexpr):
+    """[THREADS] (thread i: group i // (32 * WARPS_K), warp (i // 32) % WARPS_K, lane i % 32) -> [GROUPS, 32]:
+    each group's WARPS_K warps added lane by lane."""
+    return tl.sum(tl.reshape(y, (GROUPS, WARPS_K, 32)), axis=1)
+
+
+@triton.jit
+def _mma_store_group_tile(c0, c1, c2, c3, c4, c5, c6, c7, m0, out_ptr, bias_ptr, row0, M, N, pid_k,
+                          PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr,
+                          GROUPS: tl.constexpr, WARPS_K: tl.constexpr):
+    """_mma_store_tile for WARPS_K warps per 16-row group: the two accumulator sets added in each warp, then the
+    group's warps added, then lane 4g + t's 4 outputs of the group's rows stored (from row0, 8-row tile of x from
+    row m0)."""
+    lane = tl.arange(0, 32)[None, :]
+    row_a = row0 + tl.arange(0, GROUPS)[:, None] * 16 + lane // 4
+    row_b = row_a + 8
+    m = m0 + 2 * (lane % 4)
+    _mma_store(_warps_sum(c0 + c4, GROUPS, WARPS_K), out_ptr, bias_ptr, row_a, m, M, N, pid_k, PARTIAL, HAS_BIAS,
+               X_DT, BF16_BITS)
+    _mma_store(_warps_sum(c1 + c5, GROUPS, WARPS_K), out_ptr, bias_ptr, row_a, m + 1, M, N, pid_k, PARTIAL,
+               HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(_warps_sum(c2 + c6, GROUPS, WARPS_K), out_ptr, bias_ptr, row_b, m, M, N, pid_k, PARTIAL, HAS_BIAS,
+               X_DT, BF16_BITS)
+    _mma_store(_warps_sum(c3 + c7, GROUPS, WARPS_K), out_ptr, bias_ptr, row_b, m + 1, M, N, pid_k, PARTIAL,
+               HAS_BIAS, X_DT, BF16_BITS)
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT"])
 def nf4_gemv_mma_kernel(
     x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
+    zero_ptr,  # WARPS_K > 1: 128 bytes of zeros, the x a warp reads for a step past its program's range
     M, N, K, KB,
     BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr,
     X_DT: tl.constexpr,  # x's dtype code, also the weight's (1 float16, 2 bfloat16)
@@ -467,6 +496,7 @@ def nf4_gemv_mma_kernel(
     HALF: tl.constexpr,  # bytes of each of its two rows a thread decodes per step: 16 or 32 (<= BLOCKSIZE / 2)
     NTILE: tl.constexpr,  # 8-row tiles of x (B's 8 columns each): 1, 2 or 4 (M <= 8 * NTILE)
     SPLIT, SEG, PARTIAL: tl.constexpr, BF16_BITS: tl.constexpr,
+    WARPS_K: tl.constexpr,  # warps of a program that share its 16-row groups and split its K range
 ):
     """The word GEMV (codebook 3's product table and prmt lookup) with its products on tensor cores:
     x @ W^T for M <= 32 by PTX `mma.sync.m16n8k16` (float32 accumulation), split-K like nf4_gemv_kernel.
@@ -476,9 +506,15 @@ def nf4_gemv_mma_kernel(
     the same bytes, from row 8u + g of x (B's column g of the u-th 8-row tile of x); a word is looked up once
     for all NTILE tiles. D's lane 4g + t holds outputs (row g / g + 8, x row 8u + 2t / 8u + 2t + 1). Needs an
     sm_80+ GPU, 16-byte aligned x and packed bytes, K / 2 a multiple of 4 * HALF and W's dtype == x's (the
-    API checks them); GPU only (no PTX in Triton's interpreter)."""
+    API checks them); GPU only (no PTX in Triton's interpreter).
+
+    WARPS_K > 1: the program's warps form groups of WARPS_K that own the same 16 rows, warp k of a group taking
+    steps k, k + WARPS_K, ... of the program's range (a step past the range reads its last step's weights
+    against zeros at zero_ptr); the group's sums are added in the program (`_warps_sum`, through shared memory)
+    before the store, so that a single launch (SPLIT 1) can spread a row's K over several warps."""
     NSUB: tl.constexpr = HALF // 16
     STEP: tl.constexpr = 4 * HALF
+    GROUPS: tl.constexpr = THREADS // (32 * WARPS_K)  # 16-row groups per program
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     xw_ptr = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)  # x[m, 2j] and x[m, 2j + 1] as one word
     KW = KB // 4
@@ -488,7 +524,11 @@ def nf4_gemv_mma_kernel(
     lane = i % 32
     g = lane // 4
     t = lane % 4
-    row_a = (pid // SPLIT) * (THREADS // 2) + (i // 32) * 16 + g
+    row0 = (pid // SPLIT) * (16 * GROUPS)  # the program's first row
+    if WARPS_K == 1:
+        row_a = row0 + (i // 32) * 16 + g
+    else:
+        row_a = row0 + (i // (32 * WARPS_K)) * 16 + g
     row_b = row_a + 8
     ra = tl.minimum(row_a, N - 1)  # rows past the weight decode its last row (their outputs are not stored)
     rb = tl.minimum(row_b, N - 1)
@@ -503,22 +543,36 @@ def nf4_gemv_mma_kernel(
     first = pid_k * SEG
     end = tl.minimum(first + SEG, KB)
     zero = tl.zeros((THREADS,), dtype=tl.float32)
+    kw = (i // 32) % WARPS_K  # the warp's place in its group (0 without WARPS_K)
+    zw = zero_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25,
      c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = (
         zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero,
         zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
     # the first step's words and absmax; each step then requests the next step's before decoding its own
     # (the last step re-reads itself: in bounds, unused)
-    j = first + t * HALF  # this lane's bytes of the step (one absmax block)
+    if WARPS_K == 1:
+        j = first + t * HALF  # this lane's bytes of the step (one absmax block)
+    else:
+        j = tl.minimum(first + kw * STEP, end - STEP) + t * HALF
     (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _mma_fetch(
         wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT, FTZ,
         NSUB)
-    for c0 in range(first, end, STEP):
-        j = c0 + t * HALF
+    for c0 in range(first, end, STEP * WARPS_K):
         a0, a1, a2, a3, a4, a5, a6, a7 = na0, na1, na2, na3, na4, na5, na6, na7
         b0, b1, b2, b3, b4, b5, b6, b7 = nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7
         amax_a, amax_b = next_a, next_b
-        jn = tl.minimum(c0 + STEP, end - STEP) + t * HALF
+        if WARPS_K == 1:
+            j = c0 + t * HALF
+            jn = tl.minimum(c0 + STEP, end - STEP) + t * HALF
+            x0, x1, x2, x3 = xr0 + j, xr1 + j, xr2 + j, xr3 + j
+        else:
+            s = c0 + kw * STEP  # this warp's step; past `end` it re-reads the last step, against zeros
+            j = tl.minimum(s, end - STEP) + t * HALF
+            jn = tl.minimum(s + STEP * WARPS_K, end - STEP) + t * HALF
+            live = s < end
+            x0, x1, x2, x3 = (tl.where(live, xr0 + j, zw), tl.where(live, xr1 + j, zw), tl.where(live, xr2 + j, zw),
+                              tl.where(live, xr3 + j, zw))
         (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _mma_fetch(
             wa, wb, ra, rb, jn, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT,
             FTZ, NSUB)
@@ -526,27 +580,39 @@ def nf4_gemv_mma_kernel(
         tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b, FTZ, X_DT)
         (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
          c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_tile(
-            a0, a1, a2, a3, b0, b1, b2, b3, xr0 + j, xr1 + j, xr2 + j, xr3 + j, ta0, ta1, ta2, ta3, ta4, ta5, ta6,
+            a0, a1, a2, a3, b0, b1, b2, b3, x0, x1, x2, x3, ta0, ta1, ta2, ta3, ta4, ta5, ta6,
             ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13,
             c14, c15, c16, c17, c20, c21, c22, c23, c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37, X_DT,
             NTILE)
         if NSUB == 2:
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
              c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_tile(
-                a4, a5, a6, a7, b4, b5, b6, b7, xr0 + j + 16, xr1 + j + 16, xr2 + j + 16, xr3 + j + 16, ta0, ta1,
+                a4, a5, a6, a7, b4, b5, b6, b7, x0 + 16, x1 + 16, x2 + 16, x3 + 16, ta0, ta1,
                 ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, c00, c01, c02, c03, c04, c05,
                 c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25, c26, c27, c30, c31,
                 c32, c33, c34, c35, c36, c37, X_DT, NTILE)
-    _mma_store_tile(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
-                    PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    if NTILE > 1:
-        _mma_store_tile(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
+    if WARPS_K == 1:
+        _mma_store_tile(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
                         PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    if NTILE > 2:
-        _mma_store_tile(c20, c21, c22, c23, c24, c25, c26, c27, 16, out_ptr, bias_ptr, row_a, row_b, t, M, N,
-                        pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-        _mma_store_tile(c30, c31, c32, c33, c34, c35, c36, c37, 24, out_ptr, bias_ptr, row_a, row_b, t, M, N,
-                        pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+        if NTILE > 1:
+            _mma_store_tile(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, bias_ptr, row_a, row_b, t, M, N,
+                            pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+        if NTILE > 2:
+            _mma_store_tile(c20, c21, c22, c23, c24, c25, c26, c27, 16, out_ptr, bias_ptr, row_a, row_b, t, M, N,
+                            pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+            _mma_store_tile(c30, c31, c32, c33, c34, c35, c36, c37, 24, out_ptr, bias_ptr, row_a, row_b, t, M, N,
+                            pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    else:
+        _mma_store_group_tile(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, bias_ptr, row0, M, N, pid_k,
+                              PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
+        if NTILE > 1:
+            _mma_store_group_tile(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, bias_ptr, row0, M, N, pid_k,
+                                  PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
+        if NTILE > 2:
+            _mma_store_group_tile(c20, c21, c22, c23, c24, c25, c26, c27, 16, out_ptr, bias_ptr, row0, M, N, pid_k,
+                                  PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
+            _mma_store_group_tile(c30, c31, c32, c33, c34, c35, c36, c37, 24, out_ptr, bias_ptr, row0, M, N, pid_k,
+                                  PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
 
 
 @triton.jit

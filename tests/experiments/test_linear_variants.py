@@ -9,13 +9,13 @@
 - The check has teeth: a wrong element, an unwritten element and a -0.0 for +0.0 are caught.
 - The word GEMV variants (codebook 3, l06-l08) launch nf4_gemv_table_kernel on every slice of x (the
   launches recorded), and refuse a product where nf4.linear would take the codebook-0 GEMV instead.
-- The tensor-core word GEMV variants (l30-l33) are GPU only (listed as skipped by the interpreter run);
+- The tensor-core word GEMV variants (l30-l35) are GPU only (listed as skipped by the interpreter run);
   they refuse the fallback nf4.linear would launch (their launches on a GPU: results/linear/
   experiments_gpu_*.json), and their auto split-K is auto_split's.
 - Offline sm_75: the production variant (the GEMV with a T4's auto split-K, `nf4.linear.api.auto_split`)
   and the split-K GEMV with its ordered sum (l05) build in fp16 and bf16 without spills; the tl.dot
   kernel builds in both dtypes as float32 FMAs (Triton lowers tl.dot to FMAs before sm_80: no
-  mma.sync), and its spills are declared where measured. The word GEMV variants (l06-l08, l30-l33)
+  mma.sync), and its spills are declared where measured. The word GEMV variants (l06-l08, l30-l35)
   are recorded as not built (min_arch 80), and that claim is checked by compiling the kernels' GPU
   launches offline: ptxas refuses them for sm_75 and builds them for sm_80.
 """
@@ -50,7 +50,10 @@ WORD_GEMV = ("l06_gemv_word_table", "l07_gemv_word_table_tile16", "l08_gemv_word
 MMA_GEMV = {"l30_gemv_mma": (linear_config.GEMV_MMA, 64, 128, 32),
             "l31_gemv_mma_tile16": (linear_config.GEMV_MMA.with_(step_bytes=16), 64, 128, 16),
             "l32_gemv_mma_warps2": (linear_config.GEMV_MMA.with_(num_warps=2, block_r=32), 32, 64, 32),
-            "l33_gemv_mma8": (linear_config.GEMV_MMA8, 64, 128, 16)}
+            "l33_gemv_mma8": (linear_config.GEMV_MMA8, 64, 128, 16),
+            "l34_gemv_mma_warps_k4": (linear_config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1), 16, 128, 32),
+            "l35_gemv_mma_warps_k8": (linear_config.GEMV_MMA.with_(num_warps=8, warps_k=8, block_r=16, split_k=1), 16,
+                                      256, 32)}
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="interpreter checks (a GPU run uses the runner)")
 
@@ -82,7 +85,7 @@ def test_linear_registry():
     assert registry.lineage("l33_gemv_mma8") == ["l33_gemv_mma8", "l31_gemv_mma_tile16", "l30_gemv_mma",
                                                  "l06_gemv_word_table", "l01_gemv", "l00_production"]
     kernels = {**dict.fromkeys(WORD_GEMV, nf4_gemv_table_kernel), **dict.fromkeys(MMA_GEMV, nf4_gemv_mma_kernel)}
-    for vid, v in VARIANTS.items():  # only the word GEMVs need a later GPU than a T4; only l30-l33 need one at all
+    for vid, v in VARIANTS.items():  # only the word GEMVs need a later GPU than a T4; only l30-l35 need one at all
         assert v.min_arch == (80 if vid in kernels else 0), vid
         assert v.kernel is kernels[vid] if vid in kernels else v.kernel not in set(kernels.values()), vid
         assert (v.min_arch > 0) == bool(v.arch_reason), vid
@@ -199,11 +202,12 @@ def test_mma_gemv_split_per_programs():
 
 @needs_interpreter
 def test_mma_gemv_refuses_the_fallback():
-    """Where nf4.linear cannot run the tensor-core GEMV (here: Triton's interpreter, no PTX), l30-l33 raise
+    """Where nf4.linear cannot run the tensor-core GEMV (here: Triton's interpreter, no PTX), l30-l35 raise
     rather than check or time the word GEMV or the codebook-0 GEMV it falls back to."""
     x, packed, qs, out = _inputs("linear", linear_op.INTERPRETER_CASES[1])[0][0]
     fallback = {"l30_gemv_mma": "nf4_gemv_table_kernel", "l31_gemv_mma_tile16": "nf4_gemv_table_kernel",
-                "l32_gemv_mma_warps2": "nf4_gemv_table_kernel", "l33_gemv_mma8": "nf4_gemv_kernel"}
+                "l32_gemv_mma_warps2": "nf4_gemv_table_kernel", "l33_gemv_mma8": "nf4_gemv_kernel",
+                "l34_gemv_mma_warps_k4": "nf4_gemv_table_kernel", "l35_gemv_mma_warps_k8": "nf4_gemv_table_kernel"}
     for vid, instead in fallback.items():
         with pytest.raises(RuntimeError, match=rf"nf4_gemv_mma_kernel cannot run.*{instead} instead"):
             _recorded(vid, x, packed, qs, out)
@@ -352,24 +356,27 @@ from nf4.linear import api, config
 api.mma_ok = lambda *args: True
 n, k = SM75_NK
 found = {}
-for cfg in (config.GEMV_TABLE, config.GEMV_MMA):
+configs = {"table": config.GEMV_TABLE, "mma": config.GEMV_MMA,
+           "mma-warps_k": config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1)}
+for name, cfg in configs.items():
     for dt in (torch.float16, torch.bfloat16):
         w = api.new_weight(n, k, 64, True, dt, torch.empty(16, dtype=torch.uint8), torch.empty(16), torch.empty(256),
                            torch.empty(()), torch.device("cpu"))
-        split = api.auto_split(triton.cdiv(n, cfg.block_r), triton.cdiv(k // 2, api.gemv_step(cfg, w)),
-                               cfg.programs_per_sm * T4_SMS)
+        split = cfg.split_k or api.auto_split(triton.cdiv(n, cfg.block_r), triton.cdiv(k // 2, api.gemv_step(cfg, w)),
+                                              cfg.programs_per_sm * T4_SMS)
         (fn, _, args, options), *_ = api.kernel_args(
             torch.empty((1, k), dtype=dt), torch.empty(64, dtype=torch.uint8), w, None,
             torch.empty((1, n), dtype=dt), 1, False, cfg.with_(split_k=split), True, False, torch.empty(split * n))
         spec = sm75.source_spec(fn, runtime.positional(fn, args), {**options, "enable_fp_fusion": True})
         for arch in (75, 80):
-            key = f"{fn.__name__} {dt} sm_{arch}"
+            key = f"{fn.__name__} {dt} {name} sm_{arch}"
             try:
                 src = triton.compiler.ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"],
                                                 attrs=spec["attrs"])
                 ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=spec["options"]).asm["ptx"]
                 found[key] = {"asm": args.get("ASM"), "cvt_x2": len(re.findall(r"cvt\\.rn\\.b?f16x2\\.f32", ptx)),
-                              "prmt": ptx.count("prmt.b32"), "mma": len(re.findall(r"mma\\.sync\\.aligned", ptx))}
+                              "prmt": ptx.count("prmt.b32"), "mma": len(re.findall(r"mma\\.sync\\.aligned", ptx)),
+                              "bar": ptx.count("bar.sync")}
             except Exception as exc:  # ptxas's refusals, one line per feature (the full message repeats them)
                 refused = sorted(set(re.findall(r"Feature '[^']*' requires \\.target sm_\\d+ or higher", str(exc))))
                 found[key] = {"asm": args.get("ASM"), "error": "; ".join(refused) or str(exc)[:4000]}
@@ -379,7 +386,8 @@ print(json.dumps(found))
 
 def test_word_gemv_needs_sm80():
     """What the word GEMVs' sm_75 rows claim: ptxas refuses their PTX for sm_75 (the packed conversions, and the
-    m16n8k16 mma of nf4_gemv_mma_kernel, need sm_80) and builds the same launches for sm_80, in fp16 and bf16."""
+    m16n8k16 mma of nf4_gemv_mma_kernel, need sm_80) and builds the same launches for sm_80, in fp16 and bf16;
+    the tensor-core GEMV with 4 warps per row group (warps_k) builds too, its sums added through shared memory."""
     from experiments import sm75
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -388,7 +396,7 @@ def test_word_gemv_needs_sm80():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(found) == 8, found
+    assert len(found) == 12, found
     assert {key.split()[0] for key in found} == {"nf4_gemv_table_kernel", "nf4_gemv_mma_kernel"}
     for key, r in found.items():
         mma = key.startswith("nf4_gemv_mma_kernel ")
@@ -400,3 +408,4 @@ def test_word_gemv_needs_sm80():
         else:
             assert "error" not in r and r["cvt_x2"] >= 8 and r["prmt"] > 0, (key, r)
             assert (r["mma"] >= 8) == mma, (key, r)
+            assert (r["bar"] > 0) == (" mma-warps_k " in key), (key, r)  # only the warps' sum synchronises

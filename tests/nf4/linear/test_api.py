@@ -439,3 +439,17 @@ def test_persistent_gemm_writes_every_tile_with_fewer_programs(nf4h):
         nf4h.assert_poison_intact(buf, 3, 3 + out.numel())
         expected = api.run(x, packed, w, None, trans=trans, config=config.with_(persistent=0), ftz=False)
         assert_bitexact(out, expected, name=f"persistent gemm, trans={trans}")
+
+
+def test_warps_k_config_falls_back_where_the_tensor_core_gemv_cannot_run(nf4h):
+    """In Triton's interpreter (no PTX) a tensor-core GEMV whose warps split K (warps_k) falls back like any
+    tensor-core config: the word GEMV of the same rows per program, warps_k 1; its product is that config's."""
+    from nf4.linear import api
+    from nf4.linear import config as linear_config
+
+    config = linear_config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1)
+    packed, qs = nf4h.quantize((45, 256), torch.bfloat16, 64, True, seed=nf4h.case_seed("warps_k-fallback"))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    launched = api.launch_config(config, api._weight(packed, qs), x, packed, 3, False)
+    assert launched == config.with_(mma=False, warps_k=1)
+    assert_bitexact(nf4.linear(x, packed, qs, config=config), nf4.linear(x, packed, qs, config=launched))

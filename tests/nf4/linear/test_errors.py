@@ -124,12 +124,24 @@ BAD_CONFIG = [
     ("num_warps", {"num_warps": 3}, r"LinearConfig\.num_warps must be a power of two up to 16, got 3"),
     ("block_r-bool", {"block_r": True}, r"LinearConfig\.block_r must be a power of two, got True"),
     ("block_m-float", {"block_m": 64.0}, r"LinearConfig\.block_m must be a power of two, got 64.0"),
+    ("persistent", {"persistent": -1},
+     r"LinearConfig\.persistent must be >= 0 \(programs per multiprocessor\), got -1"),
+    ("warps_k-3", {"mma": True, "codebook": 3, "num_warps": 4, "block_r": 16, "warps_k": 3},
+     r"LinearConfig\.warps_k must be a power of two dividing num_warps = 4, got 3"),
+    ("warps_k-past-num_warps", {"mma": True, "codebook": 3, "num_warps": 4, "block_r": 8, "warps_k": 8},
+     r"LinearConfig\.warps_k must be a power of two dividing num_warps = 4, got 8"),
+    ("warps_k-without-mma", {"warps_k": 2},
+     r"LinearConfig\.warps_k > 1 needs mma=True \(the tensor-core GEMV\), got 2"),
+    ("warps_k-block_r", {"mma": True, "codebook": 3, "num_warps": 4, "block_r": 64, "warps_k": 2},
+     r"LinearConfig\.block_r must be 16 \* num_warps / warps_k = 32 with mma=True .*got 64"),
 ]
 
 BAD_CONFIG_TYPES = [
     ("split_k-float", {"split_k": 2.0}, r"LinearConfig\.split_k must be an int, got 2.0"),
     ("num_warps-bool", {"num_warps": True}, r"LinearConfig\.num_warps must be an int, got True"),
     ("swap-int", {"swap": 1}, r"LinearConfig\.swap must be a bool, got 1"),
+    ("warps_k-float", {"warps_k": 2.0}, r"LinearConfig\.warps_k must be an int, got 2.0"),
+    ("persistent-bool", {"persistent": True}, r"LinearConfig\.persistent must be an int, got True"),
 ]
 
 

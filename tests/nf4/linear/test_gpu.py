@@ -51,6 +51,14 @@ if torch.cuda.is_available():
         "gemv-mma-M32": (32, LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2,
                                           step_bytes=16)),
         "gemv-mma-M19": (19, LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, split_k=1)),
+        # warps that split K inside a program (warps_k): one launch with 4 warps per 16 rows (some warps past the
+        # last step on short rows), 2 warps per 16 rows beside split-K, 8 warps per 16 rows at four tiles of x
+        "gemv-mma-wk4-M1": (1, LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=4, warps_k=4,
+                                            split_k=1)),
+        "gemv-mma-wk2-M13": (13, LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=4, warps_k=2,
+                                              split_k=2, step_bytes=16)),
+        "gemv-mma-wk8-M32": (32, LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8,
+                                              split_k=1, step_bytes=16)),
         "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
         "gemm-swap": (16, LinearConfig(path="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
         "dequant": (8, LinearConfig(path="dequant")),
@@ -137,7 +145,8 @@ def test_mma_gemv_is_what_runs(nf4h, dtype):
         return linear_api.kernel_args(x, packed, w, None, out, m, False, config, True, False, part)[0][0]
 
     for shape in SHAPES[:3]:
-        for name in ("gemv-mma-M1", "gemv-mma-M5", "gemv-mma-M8", "gemv-mma-M13", "gemv-mma-M19", "gemv-mma-M32"):
+        for name in ("gemv-mma-M1", "gemv-mma-M5", "gemv-mma-M8", "gemv-mma-M13", "gemv-mma-M19", "gemv-mma-M32",
+                     "gemv-mma-wk4-M1", "gemv-mma-wk2-M13", "gemv-mma-wk8-M32"):
             assert kernel(shape, name) is nf4_gemv_mma_kernel, (shape, name)
     # K = 384: 192 bytes a row, whole 64-byte steps (16-byte lanes) but not whole 128-byte steps (32-byte lanes)
     assert kernel((45, 384), "gemv-mma-M5") is nf4_gemv_mma_kernel

@@ -1,4 +1,4 @@
-"""compute-sanitizer memcheck over nf4.linear's fused kernels on small odd cases (GPU only).
+"""compute-sanitizer memcheck (and racecheck) over nf4.linear's fused kernels on small odd cases (GPU only).
 
 The tensor-core and word GEMVs read with unmasked 16-byte and 4-byte vector loads, clamping rows past
 the weight (and rows of x past M) to the last one instead of masking; this checks that nothing is read
@@ -6,7 +6,8 @@ or written outside the tensors. PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every ten
 its own, so a read past one is a read outside an allocation. The cases: N odd and not a multiple of
 any tile, K = 384 (not a whole number of the 32-byte-lane steps: the fallbacks) and 512, blocksize 64
 and 128, M = 1, 3, 5, 19, 32, float16 and bfloat16, double quantization on and off, split-K auto and
-1, through the first call and the bound plan. x is made of identity rows, so each output must equal the
+1, warps splitting K inside a program (warps_k 4 and 8), through the first call and the bound plan. racecheck
+covers the shared memory those warps add their sums through. x is made of identity rows, so each output must equal the
 dequantized weight bit for bit: the runs the sanitizer sees are exact ones. Set NF4_SANITIZER_LOG to a
 folder to keep the tool's output there.
 """
@@ -32,7 +33,11 @@ from verify.exact import assert_bitexact
 torch.manual_seed(11)
 # (config, the largest M it takes here); None: the tuned rows (GEMV_MMA to 4, GEMV_MMA16 to 16, GEMV_MMA32 to 32)
 configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
-           (LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, step_bytes=16, split_k=3), 32)]
+           (LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, step_bytes=16, split_k=3), 32),
+           # warps that split K inside a program (their sums through shared memory; steps past the range read zeros)
+           (GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1), 4),
+           (LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8, step_bytes=16,
+                         split_k=2), 32)]
 n_checked = 0
 for n, k in ((45, 384), (333, 512)):
     for blocksize in (64, 128):
@@ -61,6 +66,14 @@ print(f"bit-exact: {n_checked} cases")
 def test_memcheck_is_clean(nf4h):
     # nf4's kernels only (bitsandbytes' quantize kernels are not ours); every tensor its own allocation
     returncode, stdout, log = nf4h.run_sanitizer("memcheck", CHILD, "nf4_", "sanitizer_linear_memcheck.log",
+                                                 env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+    assert "bit-exact:" in stdout, log[-4000:]
+    assert returncode == 0, log[-4000:]
+
+
+def test_racecheck_is_clean(nf4h):
+    # the warps_k configs add their warps' sums through shared memory (Triton's reduction)
+    returncode, stdout, log = nf4h.run_sanitizer("racecheck", CHILD, "nf4_", "sanitizer_linear_racecheck.log",
                                                  env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
     assert "bit-exact:" in stdout, log[-4000:]
     assert returncode == 0, log[-4000:]
