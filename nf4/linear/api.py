@@ -176,11 +176,13 @@ def auto_split(row_blocks: int, steps: int, capacity: int) -> int:
 
 
 def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConfig, ftz: bool,
-                interpreting: bool, part=None, *, code=None, dummy=None) -> list[tuple]:
+                interpreting: bool, part=None, *, code=None, dummy=None, mma_check=None) -> list[tuple]:
     """The launches of one fused product, [(kernel, grid, args, options)] (shared by the eager path and
     nf4.ops): one, or for a split-K GEMV the partial products into `part` (float32, split * m * N)
     and their ordered sum. `code` and `dummy` (the level table and a stand-in for absent tensors)
-    are looked up unless given (nf4.ops passes them as the op's inputs)."""
+    are looked up unless given (nf4.ops passes them as the op's inputs). mma_check: what decides whether
+    the tensor-core GEMV runs (default `mma_ok`, below; an offline build for a GPU that is not here passes
+    its own)."""
     if dummy is None:
         dummy = _dummy(packed.device)
     if code is None:
@@ -205,7 +207,7 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
         if trans:
             return [(nf4_gemv_kernel, (triton.cdiv(kb, half),), args, options)]
         kernel = nf4_gemv_kernel
-        if config.mma and mma_ok(w, x, packed, half, m):
+        if config.mma and (mma_check or mma_ok)(w, x, packed, half, m):
             kernel = nf4_gemv_mma_kernel
             for name in ("CODEBOOK", "W_DT", "TRANS", "ASM", "EVICT", "BLOCK_M", "BLOCK_R"):
                 del args[name]

@@ -343,8 +343,8 @@ def test_sm75_word_gemv_not_built(sm75_builds):
 
 
 # The word GEMVs' launches as a GPU would issue them (kernel_args with CPU stand-ins, interpreting=False: ASM on;
-# mma_ok forced true, as on an sm_80+ GPU) for the sm_75 weight at M = 1 with a T4's auto split-K, compiled
-# offline for sm_75 and sm_80 in a child without TRITON_INTERPRET.
+# the tensor-core GEMV taken, as an sm_80+ GPU would: kernel_args's mma_check) for the sm_75 weight at M = 1 with
+# a T4's auto split-K, compiled offline for sm_75 and sm_80 in a child without TRITON_INTERPRET.
 _WORD_GEMV_BUILD = """
 import json, re, torch, triton
 from triton.backends.compiler import GPUTarget
@@ -353,7 +353,6 @@ from experiments.ops.linear import SM75_NK
 from experiments.variants.linear._common import T4_SMS
 from nf4 import runtime
 from nf4.linear import api, config
-api.mma_ok = lambda *args: True
 n, k = SM75_NK
 found = {}
 configs = {"table": config.GEMV_TABLE, "mma": config.GEMV_MMA,
@@ -366,7 +365,8 @@ for name, cfg in configs.items():
                                               cfg.programs_per_sm * T4_SMS)
         (fn, _, args, options), *_ = api.kernel_args(
             torch.empty((1, k), dtype=dt), torch.empty(64, dtype=torch.uint8), w, None,
-            torch.empty((1, n), dtype=dt), 1, False, cfg.with_(split_k=split), True, False, torch.empty(split * n))
+            torch.empty((1, n), dtype=dt), 1, False, cfg.with_(split_k=split), True, False, torch.empty(split * n),
+            mma_check=lambda *args: True)
         spec = sm75.source_spec(fn, runtime.positional(fn, args), {**options, "enable_fp_fusion": True})
         for arch in (75, 80):
             key = f"{fn.__name__} {dt} {name} sm_{arch}"
