@@ -196,6 +196,12 @@ def _module_aliases(tree: ast.Module) -> dict[str, str]:
 
 def _assigned_module_globals(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
+    return _assigned_in(tree, str(path.relative_to(ROOT)))
+
+
+def _assigned_in(tree: ast.AST, where: str) -> list[str]:
+    """The assignments to our modules' globals in `tree`, also inside string constants that are Python programs
+    importing our packages (a child process's `python -c` source)."""
     aliases = _module_aliases(tree)
     found = []
 
@@ -221,14 +227,21 @@ def _assigned_module_globals(path: Path) -> list[str]:
             for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
                 hit = target_module(leaf)
                 if hit:
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: assigns {hit}")
+                    found.append(f"{where}:{node.lineno}: assigns {hit}")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("setattr",):
             args = node.args
             if args and isinstance(args[0], ast.Name) and args[0].id in aliases:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: setattr on module {args[0].id}")
+                found.append(f"{where}:{node.lineno}: setattr on module {args[0].id}")
             if (args and isinstance(args[0], ast.Attribute) and isinstance(args[0].value, ast.Name)
                     and args[0].value.id in aliases):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: setattr on {args[0].value.id}.{args[0].attr}")
+                found.append(f"{where}:{node.lineno}: setattr on {args[0].value.id}.{args[0].attr}")
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and "\n" in node.value
+                and any(f"import {p}" in node.value or f"from {p}" in node.value for p in PACKAGES)):
+            try:
+                child = ast.parse(node.value)
+            except SyntaxError:
+                continue  # prose, not a program
+            found += _assigned_in(child, f"{where}:{node.lineno} (a program in a string)")
     return found
 
 
@@ -239,16 +252,18 @@ def test_no_module_assigns_another_modules_globals():
 
 def test_the_globals_check_can_fail(tmp_path):
     planted = tmp_path / "planted.py"
-    planted.write_text("import nf4.dequant.api as api\nfrom nf4 import runtime\n"
-                       "api.TILE = 3\nruntime._compiled['k'] = 1\n"
-                       "def f(monkeypatch):\n    monkeypatch.setattr(api, 'X', 1)\n")
+    # one line per constant, so that this file holds no program in a string of its own
+    lines = ["import nf4.dequant.api as api", "from nf4 import runtime", "api.TILE = 3", "runtime._compiled['k'] = 1",
+             "def f(monkeypatch):", "    monkeypatch.setattr(api, 'X', 1)",
+             'CHILD = """', "from nf4.linear import api", "api.mma_ok = None", '"""']
+    planted.write_text("\n".join(lines) + "\n")
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
         hits = _assigned_module_globals(planted)
     finally:
         ROOT = saved
-    assert len(hits) == 3, hits
+    assert len(hits) == 4 and sum("a program in a string" in h for h in hits) == 1, hits
 
 
 # the documents outside the repository that the code once cited (spelled so this file does not match)
