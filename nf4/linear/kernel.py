@@ -639,21 +639,13 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _gemm_tile(
-    pid,  # the output tile (in the program order below)
-    x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
-    M, N, K, KB,
-    BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
-    CODEBOOK: tl.constexpr, W_DT: tl.constexpr, X_DT: tl.constexpr, TRANS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # weights of a row per step (at most BLOCKSIZE): BLOCK_K / 2 bytes
-    GROUP: tl.constexpr,  # output tiles along M that run next to each other (W tile reuse in L2)
-    SWAP: tl.constexpr,  # forward: compute out^T = W @ x^T (the decoded tile is tl.dot's first operand)
-    BF16_BITS: tl.constexpr, EVICT: tl.constexpr,
-    DOT_F32: tl.constexpr,  # multiply float32 copies of the 16-bit operands (exact; Triton's interpreter
-    # multiplies bfloat16 tiles as their integer bits)
-):
-    """One output tile of nf4_gemm_kernel."""
+def _gemm_tile(pid, x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
+               M, N, K, KB, BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr,
+               ASM: tl.constexpr, CODEBOOK: tl.constexpr, W_DT: tl.constexpr, X_DT: tl.constexpr,
+               TRANS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP: tl.constexpr, BF16_BITS: tl.constexpr,
+               EVICT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Output tile `pid` (in the program order below) of nf4_gemm_kernel, whose parameters these are."""
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     HALF: tl.constexpr = BLOCK_K // 2
     n_m = tl.cdiv(M, BLOCK_M)
