@@ -290,7 +290,7 @@ def _check_state(packed: torch.Tensor, qs, dtype):
     quant_type = getattr(qs, "quant_type", None)
     if quant_type != "nf4":
         raise ValueError(f"quant_state.quant_type must be 'nf4', got {quant_type!r}")
-    blocksize = _as_int(qs.blocksize, "quant_state.blocksize")
+    blocksize = qs.blocksize if type(qs.blocksize) is int else _as_int(qs.blocksize, "quant_state.blocksize")
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"quant_state.blocksize must be one of {BLOCKSIZES}, got {blocksize!r}")
     out_dtype = qs.dtype if dtype is None else dtype
@@ -302,7 +302,9 @@ def _check_state(packed: torch.Tensor, qs, dtype):
         raise ValueError("packed weight must be contiguous")
     if not isinstance(qs.shape, (tuple, list, torch.Size)):
         raise TypeError(f"quant_state.shape must be a torch.Size or a tuple of integers, got {type(qs.shape).__name__}")
-    shape = tuple(_as_int(d, f"quant_state.shape[{i}]") for i, d in enumerate(qs.shape))
+    shape = tuple(qs.shape)
+    if not all(type(d) is int for d in shape):  # (a torch.Size holds ints; anything else is checked one by one)
+        shape = tuple(_as_int(d, f"quant_state.shape[{i}]") for i, d in enumerate(qs.shape))
     if any(d < 0 for d in shape):
         raise ValueError(f"quant_state.shape must hold non-negative integers, got {tuple(qs.shape)}")
     n = math.prod(shape)
