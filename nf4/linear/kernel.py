@@ -446,17 +446,6 @@ def _mma_fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr
 
 
 @triton.jit
-def _mma_store_tile(c0, c1, c2, c3, c4, c5, c6, c7, m0, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
-                    PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr):
-    """The lane's 4 outputs of one 8-row tile of x (from row m0): the two accumulator sets added."""
-    m = m0 + 2 * t
-    _mma_store(c0 + c4, out_ptr, bias_ptr, row_a, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    _mma_store(c1 + c5, out_ptr, bias_ptr, row_a, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    _mma_store(c2 + c6, out_ptr, bias_ptr, row_b, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    _mma_store(c3 + c7, out_ptr, bias_ptr, row_b, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-
-
-@triton.jit
 def _warps_sum(y, GROUPS: tl.constexpr, WARPS_K: tl.constexpr):
     """[THREADS] (thread i: group i // (32 * WARPS_K), warp (i // 32) % WARPS_K, lane i % 32) -> [GROUPS, 32]:
     each group's WARPS_K warps added lane by lane."""
@@ -464,24 +453,25 @@ def _warps_sum(y, GROUPS: tl.constexpr, WARPS_K: tl.constexpr):
 
 
 @triton.jit
-def _mma_store_group_tile(c0, c1, c2, c3, c4, c5, c6, c7, m0, out_ptr, bias_ptr, row0, M, N, pid_k,
-                          PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr,
-                          GROUPS: tl.constexpr, WARPS_K: tl.constexpr):
-    """_mma_store_tile for WARPS_K warps per 16-row group: the two accumulator sets added in each warp, then the
-    group's warps added, then lane 4g + t's 4 outputs of the group's rows stored (from row0, 8-row tile of x from
-    row m0)."""
-    lane = tl.arange(0, 32)[None, :]
-    row_a = row0 + tl.arange(0, GROUPS)[:, None] * 16 + lane // 4
-    row_b = row_a + 8
-    m = m0 + 2 * (lane % 4)
-    _mma_store(_warps_sum(c0 + c4, GROUPS, WARPS_K), out_ptr, bias_ptr, row_a, m, M, N, pid_k, PARTIAL, HAS_BIAS,
-               X_DT, BF16_BITS)
-    _mma_store(_warps_sum(c1 + c5, GROUPS, WARPS_K), out_ptr, bias_ptr, row_a, m + 1, M, N, pid_k, PARTIAL,
-               HAS_BIAS, X_DT, BF16_BITS)
-    _mma_store(_warps_sum(c2 + c6, GROUPS, WARPS_K), out_ptr, bias_ptr, row_b, m, M, N, pid_k, PARTIAL, HAS_BIAS,
-               X_DT, BF16_BITS)
-    _mma_store(_warps_sum(c3 + c7, GROUPS, WARPS_K), out_ptr, bias_ptr, row_b, m + 1, M, N, pid_k, PARTIAL,
-               HAS_BIAS, X_DT, BF16_BITS)
+def _mma_store_tile(c0, c1, c2, c3, c4, c5, c6, c7, m0, out_ptr, bias_ptr, row_a, row_b, t, row0, M, N, pid_k,
+                    PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, X_DT: tl.constexpr, BF16_BITS: tl.constexpr,
+                    GROUPS: tl.constexpr, WARPS_K: tl.constexpr):
+    """The lane's 4 outputs of one 8-row tile of x (from row m0): the two accumulator sets added. With WARPS_K > 1
+    the group's warps are added too (`_warps_sum`), and the [GROUPS, 32] sums go to the rows of lane 4g + t of
+    each group (from the program's first row, row0)."""
+    y0, y1, y2, y3 = c0 + c4, c1 + c5, c2 + c6, c3 + c7
+    if WARPS_K > 1:
+        y0, y1 = _warps_sum(y0, GROUPS, WARPS_K), _warps_sum(y1, GROUPS, WARPS_K)
+        y2, y3 = _warps_sum(y2, GROUPS, WARPS_K), _warps_sum(y3, GROUPS, WARPS_K)
+        lane = tl.arange(0, 32)[None, :]
+        row_a = row0 + tl.arange(0, GROUPS)[:, None] * 16 + lane // 4
+        row_b = row_a + 8
+        t = lane % 4
+    m = m0 + 2 * t
+    _mma_store(y0, out_ptr, bias_ptr, row_a, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(y1, out_ptr, bias_ptr, row_a, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(y2, out_ptr, bias_ptr, row_b, m, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+    _mma_store(y3, out_ptr, bias_ptr, row_b, m + 1, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT"])
@@ -525,10 +515,7 @@ def nf4_gemv_mma_kernel(
     g = lane // 4
     t = lane % 4
     row0 = (pid // SPLIT) * (16 * GROUPS)  # the program's first row
-    if WARPS_K == 1:
-        row_a = row0 + (i // 32) * 16 + g
-    else:
-        row_a = row0 + (i // (32 * WARPS_K)) * 16 + g
+    row_a = row0 + (i // (32 * WARPS_K)) * 16 + g  # the warp's 16-row group
     row_b = row_a + 8
     ra = tl.minimum(row_a, N - 1)  # rows past the weight decode its last row (their outputs are not stored)
     rb = tl.minimum(row_b, N - 1)
@@ -591,28 +578,16 @@ def nf4_gemv_mma_kernel(
                 ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, c00, c01, c02, c03, c04, c05,
                 c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25, c26, c27, c30, c31,
                 c32, c33, c34, c35, c36, c37, X_DT, NTILE)
-    if WARPS_K == 1:
-        _mma_store_tile(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, bias_ptr, row_a, row_b, t, M, N, pid_k,
-                        PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-        if NTILE > 1:
-            _mma_store_tile(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, bias_ptr, row_a, row_b, t, M, N,
-                            pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-        if NTILE > 2:
-            _mma_store_tile(c20, c21, c22, c23, c24, c25, c26, c27, 16, out_ptr, bias_ptr, row_a, row_b, t, M, N,
-                            pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-            _mma_store_tile(c30, c31, c32, c33, c34, c35, c36, c37, 24, out_ptr, bias_ptr, row_a, row_b, t, M, N,
-                            pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
-    else:
-        _mma_store_group_tile(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, bias_ptr, row0, M, N, pid_k,
-                              PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
-        if NTILE > 1:
-            _mma_store_group_tile(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, bias_ptr, row0, M, N, pid_k,
-                                  PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
-        if NTILE > 2:
-            _mma_store_group_tile(c20, c21, c22, c23, c24, c25, c26, c27, 16, out_ptr, bias_ptr, row0, M, N, pid_k,
-                                  PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
-            _mma_store_group_tile(c30, c31, c32, c33, c34, c35, c36, c37, 24, out_ptr, bias_ptr, row0, M, N, pid_k,
-                                  PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
+    _mma_store_tile(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, bias_ptr, row_a, row_b, t, row0, M, N,
+                    pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
+    if NTILE > 1:
+        _mma_store_tile(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, bias_ptr, row_a, row_b, t, row0, M, N,
+                        pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
+    if NTILE > 2:
+        _mma_store_tile(c20, c21, c22, c23, c24, c25, c26, c27, 16, out_ptr, bias_ptr, row_a, row_b, t, row0, M, N,
+                        pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
+        _mma_store_tile(c30, c31, c32, c33, c34, c35, c36, c37, 24, out_ptr, bias_ptr, row_a, row_b, t, row0, M, N,
+                        pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
 
 
 @triton.jit
