@@ -53,6 +53,10 @@ GEMV_GRID = [(32, 2, 2, 16), (64, 4, 2, 8), (64, 4, 2, 4), (32, 2, 2, 8), (16, 1
 MMA_GRID = [(2, 32, 12), (4, 32, 6), (8, 32, 3), (2, 16, 14), (4, 16, 7), (4, 32, 4), (4, 32, 12), (2, 32, 6),
             (4, 32, 3), (4, 16, 3), (4, 32, 2), (2, 16, 6), (8, 16, 2)]  # the last four: fewer programs for M > 8
 # (104 registers at 9-16 rows, 138 at 17-32)
+# The tensor-core GEMV whose warps split K inside a program (LinearConfig.warps_k): (warps, warps_k, step_bytes,
+# split_k, programs_per_sm); split_k 1 is a single launch (no second kernel to add the partial sums).
+MMA_WK_GRID = [(w, wk, sb, 1, 8) for w in (4, 8, 16) for wk in (2, 4, 8, 16) if wk <= w for sb in (16, 32)] + [
+    (4, 2, 32, 0, 12), (4, 4, 32, 0, 12), (8, 4, 16, 0, 4), (8, 8, 16, 0, 4), (4, 4, 16, 2, 8), (8, 8, 32, 2, 8)]
 # (block_m, block_n, block_k, warps, stages, swap, codebook); block_k is capped at the blocksize (64 here)
 GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128, 64, 4, 1, True, 2),
              (32, 64, 64, 4, 1, True, 2), (64, 64, 64, 4, 1, True, 2), (64, 128, 64, 4, 1, False, 2),
@@ -70,6 +74,8 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
     if m <= 32 and not backward:
         out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w, num_warps=w, step_bytes=sb,
                              programs_per_sm=p) for w, sb, p in MMA_GRID]
+        out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w // wk, num_warps=w, warps_k=wk,
+                             step_bytes=sb, split_k=sk, programs_per_sm=p) for w, wk, sb, sk, p in MMA_WK_GRID]
     top = max(16, triton_next_pow2(m))
     for bm, bn, bk, w, st, swap, cb in GEMM_GRID:
         if backward and swap:
@@ -78,6 +84,11 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
             out.append(LinearConfig(path="gemm", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
                                     swap=swap, codebook=cb))
     return out
+
+
+def _family(config: LinearConfig) -> str:
+    """The --sweep-paths name of a config: gemv, mma (tensor-core GEMV), mma-wk (its warps splitting K), gemm."""
+    return ("mma-wk" if config.warps_k > 1 else "mma") if config.mma else config.path
 
 
 def triton_next_pow2(v: int) -> int:
@@ -257,7 +268,7 @@ def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=Fa
             rows.append(row)
             log(_fmt(row))
         if sweep:
-            for config in [c for c in sweep_configs(m) if ("mma" if c.mma else c.path) in sweep_paths]:
+            for config in [c for c in sweep_configs(m) if _family(c) in sweep_paths]:
                 rows.append(_sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward=False))
         if backward and m >= 16:
             dys = [torch.randn((m, n), device="cuda", generator=gen).to(dtype) for _ in range(min(xcopies, 4))]
@@ -370,7 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-dtypes", nargs="+", default=["bf16"])
     ap.add_argument("--no-peers", action="store_true", help="only nf4's sweep rows (tuning runs)")
     ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "mma", "gemm"],
-                    help="config families to sweep (gemv, mma: the tensor-core GEMV, gemm)")
+                    help="config families to sweep (gemv, mma: the tensor-core GEMV, mma-wk: its warps splitting K, "
+                         "gemm)")
     ap.add_argument("--out", default=os.path.join("build", "linear", "bench.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
