@@ -200,11 +200,11 @@ first-call template on). Every
     print(f"  host nf4 without plan cache {h['median_us']:6.1f} us (JIT launch {h['ref_median_us']:5.1f})", flush=True)
     # The cache miss against a call made without any cache, in alternating batches of their own (the two rows
     # above are each paired with a JIT launch, in batches minutes apart).
-    # With DequantConfig(first_call_template=True) (off by default until measured) the miss launches through a
-    # template bound per launch signature; its result is checked first.
-    template = dequant_api.tuned_config(packed.device, packed.numel() * 4).with_(first_call_template=True)
+    # By default (DequantConfig.first_call_template) the miss launches through a template bound per launch
+    # signature; the second row turns it off (Triton's launcher). Each result is checked first.
+    no_template = dequant_api.tuned_config(packed.device, packed.numel() * 4).with_(first_call_template=False)
     for form, config in (("cache miss (new QuantState) paired with no cache", None),
-                         ("cache miss, first_call_template=True, paired with no cache", template)):
+                         ("cache miss, first_call_template=False, paired with no cache", no_template)):
         bad = sum(bitexact_count(nf4.dequantize(packed, copy.copy(qs), config=config), expected) for _ in range(2))
         row = {"case": case, "provider": "nf4", "form": form, "mismatches": bad}
         if not bad:

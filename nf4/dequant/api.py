@@ -133,7 +133,7 @@ class _Template:
     """A compiled launch bound for every weight of one launch signature (`_template_key`: sizes, dtypes,
     flags, the config and the pointers' alignment), all six tensor pointers passed anew per launch.
 
-    With `DequantConfig(first_call_template=True)` it serves a QuantState's first call, validated but
+    With `DequantConfig.first_call_template` (the default) it serves a QuantState's first call, validated but
     without a plan yet (a plan is made the second time): the launch then skips building the kernel's
     arguments, Triton's specialisation key and its launcher. It holds no tensor (pointers are bound per
     call) and keeps its config alive, so the config's id in the key stays its own.

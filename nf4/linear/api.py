@@ -25,7 +25,7 @@ import triton
 from .. import runtime
 from ..dequant.api import _check_state, _dummy, _unpack_module, code_table
 from ..dequant.api import dequantize as _dequantize
-from .config import FALLBACK, INTERPRET_PROGRAMS, LinearConfig, tuned
+from .config import INTERPRET_PROGRAMS, LinearConfig, fallback, tuned
 from .kernel import (
     nf4_gemm_kernel,
     nf4_gemv_kernel,
@@ -298,15 +298,15 @@ def _packs_16bit(device: torch.device) -> bool:
 def launch_config(config: LinearConfig, w: _Weight, x: torch.Tensor, packed: torch.Tensor, m: int,
                   trans: bool) -> LinearConfig:
     """The config to launch: a tensor-core GEMV where it cannot run (`mma_ok`) and a codebook-3 GEMV where the
-    word GEMV cannot run (`table_ok`) become their tuned fallback (config.FALLBACK), else the same shape
+    word GEMV cannot run (`table_ok`) become their tuned fallback (config.fallback), else the same shape
     without mma (block_r 16 * num_warps) or with codebook 0. Callers pass the result to both `split_k` and
     `kernel_args`; x is the (M, K) operand the kernels read."""
     if config.path == "gemv" and config.codebook == 3 and not trans:
         half = min(w.blocksize // 2, config.step_bytes)
         if config.mma and not mma_ok(w, x, packed, half, m):
-            config = FALLBACK.get(config) or config.with_(mma=False, warps_k=1)
+            config = fallback(config, m) or config.with_(mma=False, warps_k=1)
         if config.codebook == 3 and not config.mma and not table_ok(w, x.dtype, packed, half, m):
-            return FALLBACK.get(config) or config.with_(codebook=0)
+            return fallback(config, m) or config.with_(codebook=0)
     return config
 
 

@@ -139,13 +139,37 @@ GEMV_MMA16 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=128, num_wa
                           programs_per_sm=2)
 GEMV_MMA32 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, step_bytes=16,
                           programs_per_sm=3)
+# The tensor-core GEMV whose 8 warps share each 16-row group and split K among themselves (warps_k = 8), in a single
+# launch (split_k = 1: no partial sums, no second kernel): tuning sweeps at 7dbc63e on both GPUs
+# (results/linear/tuning/sweep_wk_{h100,h200}.json, bf16, 14336x4096, 4096x14336, 4096x4096; CUDA-graph device time,
+# every row operand-exact). With 32-byte lanes, geometric mean over the three weights against GEMV_MMA: 0.962 (H100)
+# and 0.958 (H200) at M = 1, 0.951 at M = 2 (H200); per weight at M = 1, 9.4 / 22.5 / 24.9 us on the H100 against
+# 10.5 / 23.5 / 24.1 (the tall 14336x4096 weight 3 % slower). With 16-byte lanes at M = 3-8: 0.955 (H200, M = 4)
+# and 0.923 / 0.933 (H100 / H200, M = 8) against GEMV_MMA16, which the table took at M = 5-16 before; at M = 16 it
+# measured 1.07-1.08x GEMV_MMA16, so that row stays. The single launch also drops the host's second launch.
+GEMV_MMA_WK = LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8, step_bytes=32,
+                           split_k=1)
+GEMV_MMA_WK16 = GEMV_MMA_WK.with_(step_bytes=16)
 DEQUANT = LinearConfig(path="dequant")
-# What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config): the tensor-core GEMV (x or the
-# packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes the word GEMV
-# up to M = 4 and nf4.dequantize + cuBLAS above (the table's choice there before it); the word GEMV (W dtype != x
-# dtype, misaligned packed bytes, no sm_80+ GPU) the codebook-0 GEMV with its own shape. Any other tensor-core
-# config keeps its shape without mma, any other codebook-3 config its shape with codebook 0.
-FALLBACK = {GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: DEQUANT, GEMV_MMA32: DEQUANT}
+# What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config, through `fallback`): the tensor-core
+# GEMV (x or the packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes
+# the word GEMV up to M = 4 and nf4.dequantize + cuBLAS above (the table's choice there before it); the word GEMV
+# (W dtype != x dtype, misaligned packed bytes, no sm_80+ GPU) the codebook-0 GEMV with its own shape. An entry is a
+# config, or rows (largest M, config) where the row's M range spans both. Any other tensor-core config keeps its
+# shape without mma, any other codebook-3 config its shape with codebook 0.
+FALLBACK: dict[LinearConfig, LinearConfig | tuple[tuple[int | None, LinearConfig], ...]] = {
+    GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: DEQUANT, GEMV_MMA32: DEQUANT,
+    GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT))}
+
+
+def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
+    """The tuned fallback of `config` at M rows of x (FALLBACK), or None where it has none."""
+    entry = FALLBACK.get(config)
+    if isinstance(entry, tuple):
+        return next(c for top, c in entry if top is None or m <= top)
+    return entry
+
+
 GEMM_SMALL = LinearConfig(path="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
                           codebook=0)
 GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=1, codebook=0)
@@ -153,7 +177,7 @@ GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps
 Rows = tuple[tuple[int | None, LinearConfig], ...]
 TUNED: dict[str, dict[str, Rows]] = {
     "H100": {
-        "forward": ((4, GEMV_MMA), (16, GEMV_MMA16), (32, GEMV_MMA32), (None, DEQUANT)),
+        "forward": ((2, GEMV_MMA_WK), (8, GEMV_MMA_WK16), (16, GEMV_MMA16), (32, GEMV_MMA32), (None, DEQUANT)),
         "backward": ((None, DEQUANT),),
     },
 }

@@ -1,8 +1,8 @@
 """The first-call template's key (`nf4.dequant.api._template_key`) on a CPU: calls that share a key share
 everything the compiled kernel and its bound launch depend on.
 
-A template (`DequantConfig(first_call_template=True)`) launches a kernel compiled for an earlier call and passes
-only this call's six tensor pointers; everything else (the kernel Triton would pick, the grid, the integer
+A template (`DequantConfig.first_call_template`, on by default) launches a kernel compiled for an earlier call
+and passes only this call's six tensor pointers; everything else (the kernel Triton would pick, the grid, the integer
 arguments, the launch options) was fixed by the earlier call. So two calls with one key must agree on all of it.
 Here every pair of calls of a varied set (sizes, blocksizes, double quantization, storage dtypes, pointer
 offsets of each tensor, output dtypes and offsets, ftz, configs) is built with `kernel_launch` and compared
@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import weakref
 
-import pytest
 import torch
 import triton
 
@@ -122,7 +121,11 @@ def test_a_plan_is_due_the_second_time_a_state_takes_the_full_path(nf4h):
     assert [api._plan_due(s) for s in others] == [True] * 50
 
 
-@pytest.mark.parametrize("field", ["first_call_template"])
-def test_the_template_is_off_by_default(field):
-    """Until its GPU tests have run on both GPUs, a call takes a template only when its config asks."""
-    assert getattr(DequantConfig(), field) is False
+def test_the_template_is_on_by_default_and_in_every_tuned_config():
+    """Measured on both GPUs (nf4/dequant/config.py), the first-call template is what a call takes unless its config
+    turns it off."""
+    from nf4.dequant import config as dequant_config
+
+    assert DequantConfig().first_call_template is True
+    tuned = [config for rows in dequant_config.TUNED.values() for _, config in rows]
+    assert tuned and all(c.first_call_template for c in tuned)

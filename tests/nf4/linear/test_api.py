@@ -369,12 +369,12 @@ def test_torch_compile_fullgraph_cpu(lin, case, m):
 def test_tensor_core_rows_fall_back_to_dequantize_and_cublas(nf4h, lin):
     """A tuned tensor-core row for M > 4 that cannot run (here: no GPU) runs nf4.dequantize + F.linear, as the
     table did before at those M: the same bits as that product, bias included."""
-    from nf4.linear.config import GEMV_MMA16, GEMV_MMA32
+    from nf4.linear.config import GEMV_MMA16, GEMV_MMA32, GEMV_MMA_WK16
 
     packed, qs = nf4h.quantize((40, 128), torch.bfloat16, 64, True, seed=nf4h.case_seed("mma-dequant-fallback"))
     bias = lin.randn((40,), torch.bfloat16, 3)
     wt = nf4.dequantize(packed, qs).to(torch.bfloat16)
-    for m, config in ((13, GEMV_MMA16), (32, GEMV_MMA32)):
+    for m, config in ((5, GEMV_MMA_WK16), (8, GEMV_MMA_WK16), (13, GEMV_MMA16), (32, GEMV_MMA32)):
         x = lin.randn((m, 128), torch.bfloat16, m)
         y = nf4.linear(x, packed, qs, bias=bias, config=config)
         assert_bitexact(y, torch.nn.functional.linear(x, wt, bias), name=f"M = {m}")
@@ -386,7 +386,18 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
     config keeps its shape with codebook 0; the meta device (the offline sm_75 builds) never takes it. The
     tensor-core GEMV (mma) needs a CUDA GPU: here it falls back to the word GEMV, then as above."""
     from nf4.linear import api as linear_api
-    from nf4.linear.config import DEQUANT, GEMV, GEMV_MMA, GEMV_MMA8, GEMV_MMA16, GEMV_MMA32, GEMV_TABLE, LinearConfig
+    from nf4.linear.config import (
+        DEQUANT,
+        GEMV,
+        GEMV_MMA,
+        GEMV_MMA8,
+        GEMV_MMA16,
+        GEMV_MMA32,
+        GEMV_MMA_WK,
+        GEMV_MMA_WK16,
+        GEMV_TABLE,
+        LinearConfig,
+    )
 
     packed, qs = nf4h.quantize((40, 128), torch.bfloat16, 64, True, seed=nf4h.case_seed("launch-config"))
     w = linear_api.weight_state(packed, qs)
@@ -415,6 +426,12 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
     assert linear_api.launch_config(GEMV_MMA8, w, x(8), packed, 8, False) is GEMV
     assert linear_api.launch_config(GEMV_MMA16, w, x(16), packed, 16, False) is DEQUANT
     assert linear_api.launch_config(GEMV_MMA32, w, x(32), packed, 32, False) is DEQUANT
+    # the single-launch rows (warps splitting K): the word GEMV up to M = 4, nf4.dequantize + cuBLAS above
+    assert linear_api.launch_config(GEMV_MMA_WK, w, x(1), packed, 1, False) is GEMV_TABLE
+    assert linear_api.launch_config(GEMV_MMA_WK, w, x(2, torch.float16), packed, 2, False) is GEMV
+    for m, want in ((3, GEMV_TABLE), (4, GEMV_TABLE), (5, DEQUANT), (8, DEQUANT)):
+        assert linear_api.launch_config(GEMV_MMA_WK16, w, x(m), packed, m, False) is want, m
+    assert linear_api.launch_config(GEMV_MMA_WK16, w, x(4, torch.float16), packed, 4, False) is GEMV
 
 
 def test_persistent_gemm_writes_every_tile_with_fewer_programs(nf4h):

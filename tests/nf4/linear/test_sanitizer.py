@@ -31,7 +31,8 @@ from nf4.linear.config import GEMV_MMA, GEMV_TABLE
 from verify.exact import assert_bitexact
 
 torch.manual_seed(11)
-# (config, the largest M it takes here); None: the tuned rows (GEMV_MMA to 4, GEMV_MMA16 to 16, GEMV_MMA32 to 32)
+# (config, the largest M it takes here); None: the tuned rows (GEMV_MMA_WK to 2, GEMV_MMA_WK16 to 8, GEMV_MMA16 to
+# 16, GEMV_MMA32 to 32)
 configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
            (LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, step_bytes=16, split_k=3), 32),
            # warps that split K inside a program (their sums through shared memory; steps past the range read zeros)
