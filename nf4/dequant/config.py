@@ -30,7 +30,7 @@ class DequantConfig:
     direct_launch: bool = True  # else through Triton's C launch function (not its Python wrapper)
     # A QuantState's first call (no plan yet) through a launch bound once per launch signature, every tensor
     # pointer passed anew (nf4.dequant.api._Template), instead of Triton's launcher. experiments bench at 7dbc63e
-    # (results/tuning/template_bench_{h100,h200}_7dbc63e.json, each paired with a call without any cache in
+    # (results/nf4_bench_{h100,h200}_7dbc63e.json, each paired with a call without any cache in
     # alternating batches): a new QuantState per call took 48.4 us against 107.2 on the H100 and 24.8 against 54.7
     # on the H200 with it, 121.5 against 105.9 and 61.3 against 54.1 without it.
     first_call_template: bool = True
