@@ -149,10 +149,10 @@ GEMV_MMA32 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_war
 # measured 1.07-1.08x GEMV_MMA16, so that row stays. The single launch also drops the host's second launch.
 # The bench at dea3212 (results/linear/bench_{h100,h200}.json, against the earlier rows' bench_*.json in git history,
 # same GPU kinds, other runs): M = 1 host time 1.02-1.19x (H100) and 0.97-1.15x (H200) an empty JIT launch, from
-# 1.52-1.71x; device time better or within 0.3 us on the three swept weights, better on 2048x8192 at M = 1-4 (0.5-0.9 us
-# slower at M = 8), but 0.6-1.1 us slower on
-# 1024x4096 at M <= 8 (64 programs of 16 rows for 132 multiprocessors: the split-K rows fill the GPU) and 0.9-1.4 us
-# slower on 8192x2048 at M = 1-2 (K = 2048: one 128-byte step per warp, so the warps' sum costs more than it saves).
+# 1.52-1.71x. Device time: better or within 0.3 us on the three swept weights; on 2048x8192 better at M = 1-4 and
+# 0.5-0.9 us slower at M = 8; 0.6-1.1 us slower on 1024x4096 at M <= 8 (64 programs of 16 rows for 132
+# multiprocessors, where the split-K rows filled the GPU) and 0.9-1.4 us slower on 8192x2048 at M = 1-2 (K = 2048:
+# one 128-byte step per warp; our reading, not measured apart: the warps' sum then costs more than it saves).
 # Not yet measured: a row that also depends on N and K.
 GEMV_MMA_WK = LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8, step_bytes=32,
                            split_k=1)
