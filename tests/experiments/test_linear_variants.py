@@ -9,13 +9,13 @@
 - The check has teeth: a wrong element, an unwritten element and a -0.0 for +0.0 are caught.
 - The word GEMV variants (codebook 3, l06-l08) launch nf4_gemv_table_kernel on every slice of x (the
   launches recorded), and refuse a product where nf4.linear would take the codebook-0 GEMV instead.
-- The tensor-core word GEMV variants (l30-l35) are GPU only (listed as skipped by the interpreter run);
+- The tensor-core word GEMV variants (l30-l36) are GPU only (listed as skipped by the interpreter run);
   they refuse the fallback nf4.linear would launch (their launches on a GPU: results/linear/
   experiments_gpu_*.json), and their auto split-K is auto_split's.
 - Offline sm_75: the production variant (the GEMV with a T4's auto split-K, `nf4.linear.api.auto_split`)
   and the split-K GEMV with its ordered sum (l05) build in fp16 and bf16 without spills; the tl.dot
   kernel builds in both dtypes as float32 FMAs (Triton lowers tl.dot to FMAs before sm_80: no
-  mma.sync), and its spills are declared where measured. The word GEMV variants (l06-l08, l30-l35)
+  mma.sync), and its spills are declared where measured. The word GEMV variants (l06-l08, l30-l36)
   are recorded as not built (min_arch 80), and that claim is checked by compiling the kernels' GPU
   launches offline: ptxas refuses them for sm_75 and builds them for sm_80.
 """
@@ -53,7 +53,8 @@ MMA_GEMV = {"l30_gemv_mma": (linear_config.GEMV_MMA, 64, 128, 32),
             "l33_gemv_mma8": (linear_config.GEMV_MMA8, 64, 128, 16),
             "l34_gemv_mma_warps_k4": (linear_config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1), 16, 128, 32),
             "l35_gemv_mma_warps_k8": (linear_config.GEMV_MMA.with_(num_warps=8, warps_k=8, block_r=16, split_k=1), 16,
-                                      256, 32)}
+                                      256, 32),
+            "l36_gemv_mma_warps_k8_tile16": (linear_config.GEMV_MMA_WK16, 16, 256, 16)}
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="interpreter checks (a GPU run uses the runner)")
 
@@ -85,7 +86,7 @@ def test_linear_registry():
     assert registry.lineage("l33_gemv_mma8") == ["l33_gemv_mma8", "l31_gemv_mma_tile16", "l30_gemv_mma",
                                                  "l06_gemv_word_table", "l01_gemv", "l00_production"]
     kernels = {**dict.fromkeys(WORD_GEMV, nf4_gemv_table_kernel), **dict.fromkeys(MMA_GEMV, nf4_gemv_mma_kernel)}
-    for vid, v in VARIANTS.items():  # only the word GEMVs need a later GPU than a T4; only l30-l35 need one at all
+    for vid, v in VARIANTS.items():  # only the word GEMVs need a later GPU than a T4; only l30-l36 need one at all
         assert v.min_arch == (80 if vid in kernels else 0), vid
         assert v.kernel is kernels[vid] if vid in kernels else v.kernel not in set(kernels.values()), vid
         assert (v.min_arch > 0) == bool(v.arch_reason), vid
@@ -202,12 +203,13 @@ def test_mma_gemv_split_per_programs():
 
 @needs_interpreter
 def test_mma_gemv_refuses_the_fallback():
-    """Where nf4.linear cannot run the tensor-core GEMV (here: Triton's interpreter, no PTX), l30-l35 raise
+    """Where nf4.linear cannot run the tensor-core GEMV (here: Triton's interpreter, no PTX), l30-l36 raise
     rather than check or time the word GEMV or the codebook-0 GEMV it falls back to."""
     x, packed, qs, out = _inputs("linear", linear_op.INTERPRETER_CASES[1])[0][0]
     fallback = {"l30_gemv_mma": "nf4_gemv_table_kernel", "l31_gemv_mma_tile16": "nf4_gemv_table_kernel",
                 "l32_gemv_mma_warps2": "nf4_gemv_table_kernel", "l33_gemv_mma8": "nf4_gemv_kernel",
-                "l34_gemv_mma_warps_k4": "nf4_gemv_table_kernel", "l35_gemv_mma_warps_k8": "nf4_gemv_table_kernel"}
+                "l34_gemv_mma_warps_k4": "nf4_gemv_table_kernel", "l35_gemv_mma_warps_k8": "nf4_gemv_table_kernel",
+                "l36_gemv_mma_warps_k8_tile16": "nf4_gemv_table_kernel"}
     for vid, instead in fallback.items():
         with pytest.raises(RuntimeError, match=rf"nf4_gemv_mma_kernel cannot run.*{instead} instead"):
             _recorded(vid, x, packed, qs, out)

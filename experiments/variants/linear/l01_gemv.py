@@ -9,7 +9,7 @@ summed in order by a second kernel; l01: enough programs for 16 per multiprocess
 The GEMV keeps a [BLOCK_M, rows, bytes] float32 accumulator with BLOCK_M = next_power_of_2(M): from
 M = 16 it spills (sm_75 offline: 1.9 KB of spill stores per thread), and at M = 256 one build took
 373 s and 5 GB of host memory (offline, sm_90). So "the GEMV at every M" runs x in slices of at most
-GEMV_ROWS rows (the rows of the tuned table's first GEMV row), one launch (or split-K pair) per slice:
+GEMV_ROWS = 4 rows (the word GEMV's limit), one launch (or split-K pair) per slice:
 above that M each slice re-reads W, which is what the table's switch to tl.dot avoids.
 
 Of the ablations asked for the linear, this family covers K traversal by split-K (l04 against l01
@@ -26,9 +26,10 @@ from nf4.linear.kernel import nf4_gemv_kernel
 from ._common import launcher
 
 GEMV = linear_config.GEMV
-# The rows of x of the tuned table's first GEMV row (on the GPU whose rows are the default): the slice size of
-# this family, which the codebook-0 GEMV takes without spilling.
-GEMV_ROWS = next(limit for limit, c in linear_config.TUNED[linear_config.DEFAULT_GPU]["forward"] if c.path == "gemv")
+# The slice size of this family: the most rows of x the word GEMV takes (nf4.linear.api.table_ok: M <= 4), which
+# the codebook-0 GEMV takes without spilling; the tuned table's first GEMV row took 4 rows too until its rows up to
+# M = 8 went to one launch (nf4.linear.config.GEMV_MMA_WK), and the family's results were measured on slices of 4.
+GEMV_ROWS = 4
 # id, parent, the LinearConfig fields changed versus the table's GEMV, the one-line change.
 FAMILY = [
     ("l01_gemv", "l00_production", {},

@@ -1,4 +1,4 @@
-"""l30-l35: the word GEMV with its products on tensor cores (nf4_gemv_mma_kernel: PTX mma.sync m16n8k16), GPU only.
+"""l30-l36: the word GEMV with its products on tensor cores (nf4_gemv_mma_kernel: PTX mma.sync m16n8k16), GPU only.
 
 Teaches what moving the word GEMV's multiply-adds from float32 FMAs (l06: a [rows, 4] float32
 accumulator per row of x, at most 4 rows) onto tensor cores is worth, and three of its
@@ -22,7 +22,10 @@ step_bytes bytes of each row (`nf4.linear.api.gemv_step`): split-K is in whole s
   (`LinearConfig.warps_k`), their sums added in the program through shared memory, with no split-K and
   so no second kernel adding partial sums (4x the programs along N of l30; what a single launch costs
   or saves in device time, beside the host time of the second launch and its float32 buffer);
-- l35: l34 with 8 warps per program and 8-way K splits in it (twice the warps per row).
+- l35: l34 with 8 warps per program and 8-way K splits in it (twice the warps per row): the table's
+  the kernel of the table's GEMV_MMA_WK (rows of x up to 2; its programs_per_sm, which a single launch does not
+  use, aside);
+- l36: l35 with 16-byte lanes: the table's GEMV_MMA_WK16 (3-8 rows of x).
 
 GPU only: Triton's interpreter has no PTX (nf4.linear's `launch_config` falls back to the word GEMV
 there), so the interpreter run lists these ids as skipped. Where nf4.linear would not launch
@@ -62,7 +65,9 @@ FAMILY = [
     ("l34_gemv_mma_warps_k4", "l30_gemv_mma", MMA.with_(warps_k=4, block_r=16, split_k=1),
      "one launch: the 4 warps share 16 rows and split K in the program (warps_k 4), no split-K sum kernel"),
     ("l35_gemv_mma_warps_k8", "l34_gemv_mma_warps_k4", MMA.with_(num_warps=8, warps_k=8, block_r=16, split_k=1),
-     "8 warps per program, each row's K split 8 ways in it"),
+     "8 warps per program, each row's K split 8 ways in it (the kernel of GEMV_MMA_WK)"),
+    ("l36_gemv_mma_warps_k8_tile16", "l35_gemv_mma_warps_k8", linear_config.GEMV_MMA_WK16,
+     "16-byte lanes (GEMV_MMA_WK16)"),
 ]
 
 for _id, _parent, _config, _change in FAMILY:
