@@ -245,11 +245,15 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
 SUM_BLOCK = 128  # one output per thread of 4 warps: the split sum is a few loads deep, spread wide
 
 
+TABLE_MAX_M = 4  # rows of x the word GEMV (codebook 3, nf4_gemv_table_kernel) takes
+
+
 def table_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor, half: int, m: int) -> bool:
-    """Whether codebook 3's GEMV (nf4_gemv_table_kernel) takes this product: at most 4 rows of x, W's dtype
-    is x's, the packed bytes are 4-byte aligned and a step is whole words; otherwise codebook 3 runs
+    """Whether codebook 3's GEMV (nf4_gemv_table_kernel) takes this product: at most TABLE_MAX_M rows of x, W's
+    dtype is x's, the packed bytes are 4-byte aligned and a step is whole words; otherwise codebook 3 runs
     nf4_gemv_kernel with the 16-entry table (codebook 0)."""
-    return (m <= 4 and w.dtype == x_dtype and _packs_16bit(packed.device) and _aligned4(packed) and half % 16 == 0)
+    return (m <= TABLE_MAX_M and w.dtype == x_dtype and _packs_16bit(packed.device) and _aligned4(packed)
+            and half % 16 == 0)
 
 
 def _aligned4(packed: torch.Tensor) -> bool:

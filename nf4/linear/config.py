@@ -164,7 +164,8 @@ DEQUANT = LinearConfig(path="dequant")
 # (W dtype != x dtype, misaligned packed bytes, no sm_80+ GPU) the codebook-0 GEMV with its own shape. An entry is a
 # config, or rows (largest M, config) where the row's M range spans both. Any other tensor-core config keeps its
 # shape without mma, any other codebook-3 config its shape with codebook 0.
-FALLBACK: dict[LinearConfig, LinearConfig | tuple[tuple[int | None, LinearConfig], ...]] = {
+Rows = tuple[tuple[int | None, LinearConfig], ...]
+FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
     GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: DEQUANT, GEMV_MMA32: DEQUANT,
     GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT))}
 
@@ -172,16 +173,21 @@ FALLBACK: dict[LinearConfig, LinearConfig | tuple[tuple[int | None, LinearConfig
 def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
     """The tuned fallback of `config` at M rows of x (FALLBACK), or None where it has none."""
     entry = FALLBACK.get(config)
-    if isinstance(entry, tuple):
-        return next(c for top, c in entry if top is None or m <= top)
-    return entry
+    return pick(entry, m) if isinstance(entry, tuple) else entry
+
+
+def pick(rows: Rows, m: int) -> LinearConfig:
+    """The config of the first row whose largest M (None: any) takes m rows of x; the last row's past them all."""
+    for limit, config in rows:
+        if limit is None or m <= limit:
+            return config
+    return rows[-1][1]
 
 
 GEMM_SMALL = LinearConfig(path="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
                           codebook=0)
 GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=1, codebook=0)
 
-Rows = tuple[tuple[int | None, LinearConfig], ...]
 TUNED: dict[str, dict[str, Rows]] = {
     "H100": {
         "forward": ((2, GEMV_MMA_WK), (8, GEMV_MMA_WK16), (16, GEMV_MMA16), (32, GEMV_MMA32), (None, DEQUANT)),
@@ -236,8 +242,4 @@ def tuned(device_name: str, m: int, backward: bool = False) -> LinearConfig:
         table = INTERPRETER
     else:
         table = next((t for gpu, t in TUNED.items() if gpu in device_name), TUNED[DEFAULT_GPU])
-    rows = table["backward" if backward else "forward"]
-    for limit, config in rows:
-        if limit is None or m <= limit:
-            return config
-    return rows[-1][1]
+    return pick(table["backward" if backward else "forward"], m)

@@ -22,8 +22,8 @@ step_bytes bytes of each row (`nf4.linear.api.gemv_step`): split-K is in whole s
   (`LinearConfig.warps_k`), their sums added in the program through shared memory, with no split-K and
   so no second kernel adding partial sums (4x the programs along N of l30; what a single launch costs
   or saves in device time, beside the host time of the second launch and its float32 buffer);
-- l35: l34 with 8 warps per program and 8-way K splits in it (twice the warps per row): the table's
-  the kernel of the table's GEMV_MMA_WK (rows of x up to 2; its programs_per_sm, which a single launch does not
+- l35: l34 with 8 warps per program and 8-way K splits in it (twice the warps per row): the kernel of the
+  table's GEMV_MMA_WK (rows of x up to 2; its programs_per_sm, which a single launch does not
   use, aside);
 - l36: l35 with 16-byte lanes: the table's GEMV_MMA_WK16 (3-8 rows of x).
 
