@@ -238,10 +238,20 @@ def traced_tables(device: torch.device) -> tuple:
     return _code_cache[(device, False)], _code_cache[(device, True)], _dummy_cache[device]
 
 
+def _module_weight(module):
+    """A module's `weight`: read from its parameter dict where nn.Module keeps it (a plain `module.weight`
+    fails the instance and class lookups before nn.Module.__getattr__ finds it there, about 0.6 us of host
+    time per call); any other module's attribute otherwise. nn.Module refuses to register a parameter whose
+    name a class attribute already holds, so the two lookups agree wherever the dict has the name."""
+    params = getattr(module, "_parameters", None)
+    inner = params.get("weight") if isinstance(params, dict) else None
+    return inner if inner is not None else getattr(module, "weight", None)
+
+
 def _unpack_module(weight, quant_state):
     """Accept a Linear4bit module, a Params4bit, or (packed tensor, QuantState)."""
     if quant_state is None:
-        inner = getattr(weight, "weight", None)
+        inner = _module_weight(weight)
         if inner is not None and hasattr(inner, "quant_state"):  # bnb.nn.Linear4bit
             weight = inner
         quant_state = getattr(weight, "quant_state", None)
@@ -494,7 +504,7 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
         packed, qs = weight, quant_state
         if qs is None:  # a Linear4bit (its weight) or a Params4bit (its quant_state)
             if not isinstance(packed, torch.Tensor):
-                packed = getattr(packed, "weight", None)
+                packed = _module_weight(packed)
             qs = getattr(packed, "quant_state", None)
         plan = _plans.get(id(qs))
         if plan is not None and plan.config is config and plan.matches(qs):

@@ -231,6 +231,33 @@ def test_linear4bit_and_params4bit(nf4h, via, compute_dtype):
     assert_bitexact(weight.data, before, name="Params4bit bytes after the calls")
 
 
+class _Wrapper(torch.nn.Module):
+    """A module holding no parameter named `weight` whose `weight` is a property (as PEFT's LoRA layers wrap
+    their base layer), beside a decoy parameter of another module's weight under another name."""
+
+    def __init__(self, base, decoy):
+        super().__init__()
+        self.base_layer = base
+        self.decoy = decoy
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+
+def test_module_weight_lookup(nf4h):
+    """nf4.dequantize(module) reads the module's `weight` (its parameter dict first, the attribute otherwise):
+    a Linear4bit and a wrapper whose `weight` is a property give their own weight's values, not a decoy's."""
+    layer = _linear4bit(nf4h, 96, 40, nf4h.case_seed("module-lookup", 0), via="quantize")
+    other = _linear4bit(nf4h, 96, 40, nf4h.case_seed("module-lookup", 1), via="quantize")
+    expect = nf4h.reference_dequant(layer.weight.data, layer.weight.quant_state)
+    wrapper = _Wrapper(layer, other.weight)
+    assert "weight" not in wrapper._parameters and "weight" in layer._parameters
+    for i in range(3):  # the full path, the call that makes the plan, then the plan's fast path
+        assert_bitexact(nf4.dequantize(layer), expect, name=f"Linear4bit, call {i}")
+        assert_bitexact(nf4.dequantize(wrapper), expect, name=f"wrapper with a weight property, call {i}")
+
+
 def test_linear4bit_bf16_storage(nf4h):
     layer = _linear4bit(nf4h, 100, 36, nf4h.case_seed("linear-bf16"), via="quantize", quant_storage=torch.bfloat16,
                         blocksize=128)
