@@ -47,7 +47,9 @@ from verify import timing
 from .bench_linear import make_weights, mismatches
 
 DEFAULT_SHAPES = ("14336x4096", "4096x14336", "4096x4096")
-MODES = {"loads": 1, "decode": 2}
+# part -> (MODE, ROTATE) of gemv_limit_kernel
+MODES = {"loads": (1, False), "decode": (2, False), "both": (3, False), "loads, rotated": (1, True),
+         "both, rotated": (3, True)}
 
 
 @triton.jit
@@ -77,9 +79,15 @@ def _products(a0, a1, a2, a3, b0, b1, b2, b3, xp, amax_a, amax_b, c0, c1, c2, c3
 @triton.jit
 def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, zero_ptr, N, KB,
                       BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, X_DT: tl.constexpr,
-                      THREADS: tl.constexpr, HALF: tl.constexpr, WARPS_K: tl.constexpr, MODE: tl.constexpr):
-    """nf4_gemv_mma_kernel's loop for one row of x (NTILE 1, SPLIT 1), cut in two by MODE (1: loads only,
-    2: decode and products only); out: one 32-bit word per thread of each program."""
+                      THREADS: tl.constexpr, HALF: tl.constexpr, WARPS_K: tl.constexpr, MODE: tl.constexpr,
+                      ROTATE: tl.constexpr):
+    """nf4_gemv_mma_kernel's loop for one row of x (NTILE 1, SPLIT 1). MODE bit 1: each step reads the next step's
+    weight bytes and absmax from memory (else it XORs the held ones with the step's offset); bit 2: each step
+    decodes and multiplies (else its words, absmax and x are XOR-ed into one word). MODE 3 is the production
+    loop's work. ROTATE: program p takes its steps in the order p, p + 1, ... (mod the steps of a warp) instead of
+    0, 1, ...: at any moment the programs read different columns of their rows. out: one word per thread."""
+    LOADS: tl.constexpr = MODE % 2 == 1
+    DECODE: tl.constexpr = MODE // 2 == 1
     NSUB: tl.constexpr = HALF // 16
     STEP: tl.constexpr = 4 * HALF
     GROUPS: tl.constexpr = THREADS // (32 * WARPS_K)
@@ -100,25 +108,44 @@ def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, off
     always = i >= 0
     kw = (i // 32) % WARPS_K
     zw = zero_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-    j = tl.minimum(kw * STEP, KB - STEP) + t * HALF
+    ROUND: tl.constexpr = STEP * WARPS_K  # bytes of a row the program's warps take per iteration
+    n_it = tl.cdiv(KB, ROUND)
+    rot = pid % n_it if ROTATE else 0
+    j = tl.minimum(rot * ROUND + kw * STEP, KB - STEP) + t * HALF
     (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _mma_fetch(
         wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT, FTZ,
         NSUB)
     zero = tl.zeros((THREADS,), dtype=tl.float32)
     c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
     sink = tl.zeros((THREADS,), dtype=tl.uint32)
-    for s0 in range(0, KB, STEP * WARPS_K):
+    for it in range(0, n_it):
         a0, a1, a2, a3, a4, a5, a6, a7 = na0, na1, na2, na3, na4, na5, na6, na7
         b0, b1, b2, b3, b4, b5, b6, b7 = nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7
         amax_a, amax_b = next_a, next_b
-        s = s0 + kw * STEP
+        here = (it + rot) % n_it
+        after = (it + 1 + rot) % n_it if it + 1 < n_it else here  # the last step re-reads itself, unused
+        s = here * ROUND + kw * STEP
         j = tl.minimum(s, KB - STEP) + t * HALF
-        jn = tl.minimum(s + STEP * WARPS_K, KB - STEP) + t * HALF
+        jn = tl.minimum(after * ROUND + kw * STEP, KB - STEP) + t * HALF
         xp = tl.where(s < KB, xw_ptr + j, zw)
-        if MODE == 1:
+        if LOADS:
             (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a,
              next_b) = _mma_fetch(wa, wb, ra, rb, jn, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                                   BLOCKSIZE, DOUBLE_QUANT, FTZ, NSUB)
+        else:
+            step = s.to(tl.uint32)
+            na0, na1, na2, na3, na4, na5, na6, na7 = _xor8(a0, a1, a2, a3, a4, a5, a6, a7, step)
+            nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _xor8(b0, b1, b2, b3, b4, b5, b6, b7, step)
+            parity = step & 1
+            next_a = (amax_a.to(tl.uint32, bitcast=True) ^ parity).to(tl.float32, bitcast=True)
+            next_b = (amax_b.to(tl.uint32, bitcast=True) ^ parity).to(tl.float32, bitcast=True)
+        if DECODE:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _products(a0, a1, a2, a3, b0, b1, b2, b3, xp, amax_a, amax_b, c0, c1, c2,
+                                                       c3, c4, c5, c6, c7, FTZ, X_DT)
+            if NSUB == 2:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _products(a4, a5, a6, a7, b4, b5, b6, b7, xp + 16, amax_a, amax_b,
+                                                           c0, c1, c2, c3, c4, c5, c6, c7, FTZ, X_DT)
+        else:
             sink = _fold4(sink, a0, a1, a2, a3)
             sink = _fold4(sink, b0, b1, b2, b3)
             if NSUB == 2:
@@ -128,19 +155,7 @@ def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, off
             for q in tl.static_range(4 * NSUB):  # x's words at this lane's bytes, as the products read them
                 x0, x1, x2, x3 = load_v4(xp + 4 * q, False)
                 sink = _fold4(sink, x0, x1, x2, x3)
-        else:
-            step = s0.to(tl.uint32)
-            na0, na1, na2, na3, na4, na5, na6, na7 = _xor8(a0, a1, a2, a3, a4, a5, a6, a7, step)
-            nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _xor8(b0, b1, b2, b3, b4, b5, b6, b7, step)
-            parity = step & 1
-            next_a = (amax_a.to(tl.uint32, bitcast=True) ^ parity).to(tl.float32, bitcast=True)
-            next_b = (amax_b.to(tl.uint32, bitcast=True) ^ parity).to(tl.float32, bitcast=True)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _products(a0, a1, a2, a3, b0, b1, b2, b3, xp, amax_a, amax_b, c0, c1, c2,
-                                                       c3, c4, c5, c6, c7, FTZ, X_DT)
-            if NSUB == 2:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _products(a4, a5, a6, a7, b4, b5, b6, b7, xp + 16, amax_a, amax_b,
-                                                           c0, c1, c2, c3, c4, c5, c6, c7, FTZ, X_DT)
-    if MODE == 2:
+    if DECODE:
         y = ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
         sink = y.to(tl.uint32, bitcast=True)
     tl.store(out_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + pid * THREADS + i, sink)
@@ -201,7 +216,7 @@ def _probe_args(x, packed, w, out, dummy, config: linear_config.LinearConfig, mo
             "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out, "zero_ptr": dummy, "N": w.N, "KB": w.K // 2,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": linear_api._DT[x.dtype],
             "THREADS": 32 * config.num_warps, "HALF": min(w.blocksize // 2, config.step_bytes, 32),
-            "WARPS_K": config.warps_k, "MODE": MODES[mode]}  # fmt: skip
+            "WARPS_K": config.warps_k, "MODE": MODES[mode][0], "ROTATE": MODES[mode][1]}  # fmt: skip
     return args, {"num_warps": config.num_warps}
 
 
