@@ -41,12 +41,13 @@ import triton.language as tl
 from nf4.device import load_v4, product_table
 from nf4.linear import api as linear_api
 from nf4.linear import config as linear_config
-from nf4.linear.kernel import _mma_fetch, _mma_tile
+from nf4.linear.kernel import mma_fetch, mma_tile
 from verify import timing
 
 from .bench_linear import make_weights, mismatches
 
 DEFAULT_SHAPES = ("14336x4096", "4096x14336", "4096x4096")
+X_DT = {torch.float16: 1, torch.bfloat16: 2}  # the kernels' dtype codes
 # part -> (MODE, ROTATE) of gemv_limit_kernel
 MODES = {"loads": (1, False), "decode": (2, False), "both": (3, False), "loads, rotated": (1, True),
          "both, rotated": (3, True)}
@@ -70,7 +71,7 @@ def _products(a0, a1, a2, a3, b0, b1, b2, b3, xp, amax_a, amax_b, c0, c1, c2, c3
     ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = product_table(amax_a, FTZ, X_DT)
     tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b, FTZ, X_DT)
     z = tl.zeros_like(c0)
-    r = _mma_tile(a0, a1, a2, a3, b0, b1, b2, b3, xp, xp, xp, xp, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2,
+    r = mma_tile(a0, a1, a2, a3, b0, b1, b2, b3, xp, xp, xp, xp, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2,
                   tb3, tb4, tb5, tb6, tb7, c0, c1, c2, c3, c4, c5, c6, c7, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z,
                   z, z, z, z, z, z, z, z, z, X_DT, 1)
     return r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]
@@ -112,7 +113,7 @@ def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, off
     n_it = tl.cdiv(KB, ROUND)
     rot = pid % n_it if ROTATE else 0
     j = tl.minimum(rot * ROUND + kw * STEP, KB - STEP) + t * HALF
-    (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _mma_fetch(
+    (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = mma_fetch(
         wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT, FTZ,
         NSUB)
     zero = tl.zeros((THREADS,), dtype=tl.float32)
@@ -130,7 +131,7 @@ def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, off
         xp = tl.where(s < KB, xw_ptr + j, zw)
         if LOADS:
             (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a,
-             next_b) = _mma_fetch(wa, wb, ra, rb, jn, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+             next_b) = mma_fetch(wa, wb, ra, rb, jn, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                                   BLOCKSIZE, DOUBLE_QUANT, FTZ, NSUB)
         else:
             step = s.to(tl.uint32)
@@ -214,7 +215,7 @@ def _probe_args(x, packed, w, out, dummy, config: linear_config.LinearConfig, mo
     args = {"x_ptr": x, "packed_ptr": packed, "absmax_ptr": w.absmax,
             "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
             "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out, "zero_ptr": dummy, "N": w.N, "KB": w.K // 2,
-            "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": linear_api._DT[x.dtype],
+            "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "THREADS": 32 * config.num_warps, "HALF": min(w.blocksize // 2, config.step_bytes, 32),
             "WARPS_K": config.warps_k, "MODE": MODES[mode][0], "ROTATE": MODES[mode][1]}  # fmt: skip
     return args, {"num_warps": config.num_warps}
@@ -225,7 +226,8 @@ def probe_launch(x, packed, qs, config: linear_config.LinearConfig, mode: str):
     w = linear_api.weight_state(packed, qs)
     programs = triton.cdiv(w.N, config.block_r)
     out = torch.empty(programs * 32 * config.num_warps, dtype=torch.int32, device=x.device)
-    args, options = _probe_args(x, packed, w, out, linear_api._dummy(x.device), config, mode)
+    dummy = torch.zeros(64, dtype=torch.float32, device=x.device)  # absent tensors; 256 bytes of zeros for x
+    args, options = _probe_args(x, packed, w, out, dummy, config, mode)
 
     def launch(_):
         gemv_limit_kernel[(programs,)](**args, **options)

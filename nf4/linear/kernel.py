@@ -382,7 +382,7 @@ def _mma_word(wa, wb, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3
 
 
 @triton.jit
-def _mma_tile(a0, a1, a2, a3, b0, b1, b2, b3, xp0, xp1, xp2, xp3,
+def mma_tile(a0, a1, a2, a3, b0, b1, b2, b3, xp0, xp1, xp2, xp3,
               ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
               c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23,
               c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37,
@@ -427,7 +427,7 @@ def _mma_store(y, ptr, bias_ptr, rows, m, M, N, pid_k, PARTIAL: tl.constexpr, HA
 
 
 @triton.jit
-def _mma_fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+def mma_fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, NSUB: tl.constexpr):
     """A lane's words of its two rows of W (at wa, wb: rows ra, rb) for the step at byte j, NSUB 16-byte tiles
     each (with one, the second four words repeat the first), and the two rows' absmax there."""
@@ -542,7 +542,7 @@ def nf4_gemv_mma_kernel(
         j = first + t * HALF  # this lane's bytes of the step (one absmax block)
     else:
         j = tl.minimum(first + kw * STEP, end - STEP) + t * HALF
-    (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _mma_fetch(
+    (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = mma_fetch(
         wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT, FTZ,
         NSUB)
     for c0 in range(first, end, STEP * WARPS_K):
@@ -560,20 +560,20 @@ def nf4_gemv_mma_kernel(
             live = s < end
             x0, x1, x2, x3 = (tl.where(live, xr0 + j, zw), tl.where(live, xr1 + j, zw), tl.where(live, xr2 + j, zw),
                               tl.where(live, xr3 + j, zw))
-        (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _mma_fetch(
+        (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = mma_fetch(
             wa, wb, ra, rb, jn, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT,
             FTZ, NSUB)
         ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = product_table(amax_a, FTZ, X_DT)
         tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b, FTZ, X_DT)
         (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
-         c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_tile(
+         c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = mma_tile(
             a0, a1, a2, a3, b0, b1, b2, b3, x0, x1, x2, x3, ta0, ta1, ta2, ta3, ta4, ta5, ta6,
             ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13,
             c14, c15, c16, c17, c20, c21, c22, c23, c24, c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37, X_DT,
             NTILE)
         if NSUB == 2:
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24,
-             c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = _mma_tile(
+             c25, c26, c27, c30, c31, c32, c33, c34, c35, c36, c37) = mma_tile(
                 a4, a5, a6, a7, b4, b5, b6, b7, x0 + 16, x1 + 16, x2 + 16, x3 + 16, ta0, ta1,
                 ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, c00, c01, c02, c03, c04, c05,
                 c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, c20, c21, c22, c23, c24, c25, c26, c27, c30, c31,
