@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nf4.device import load_v4, product_table
+from nf4.device import absmax_of_block, load_v4, product_table
 from nf4.linear import api as linear_api
 from nf4.linear import config as linear_config
 from nf4.linear.kernel import mma_fetch, mma_tile
@@ -48,9 +48,22 @@ from .bench_linear import make_weights, mismatches
 
 DEFAULT_SHAPES = ("14336x4096", "4096x14336", "4096x4096")
 X_DT = {torch.float16: 1, torch.bfloat16: 2}  # the kernels' dtype codes
-# part -> (MODE, ROTATE) of gemv_limit_kernel
-MODES = {"loads": (1, False), "decode": (2, False), "both": (3, False), "loads, rotated": (1, True),
-         "both, rotated": (3, True)}
+# part -> gemv_limit_kernel's switches (MODE, ROTATE, STREAM, ABSMAX, XLOAD) and changes to the table's config
+_BASE = {"MODE": 3, "ROTATE": False, "STREAM": True, "ABSMAX": True, "XLOAD": True}
+MODES: dict[str, tuple[dict, dict]] = {
+    "loads": ({"MODE": 1}, {}),
+    "decode": ({"MODE": 2}, {}),
+    "both": ({}, {}),
+    "loads, rotated": ({"MODE": 1, "ROTATE": True}, {}),
+    "both, rotated": ({"ROTATE": True}, {}),
+    "loads, kept in L1": ({"MODE": 1, "STREAM": False}, {}),
+    "loads, no absmax": ({"MODE": 1, "ABSMAX": False}, {}),
+    "loads, no x": ({"MODE": 1, "XLOAD": False}, {}),
+    "loads, weight words only": ({"MODE": 1, "ABSMAX": False, "XLOAD": False}, {}),
+    "loads, 16-byte lanes": ({"MODE": 1}, {"step_bytes": 16}),
+    "loads, warps_k 1 (16 steps a warp)": ({"MODE": 1}, {"warps_k": 1, "block_r": 128}),
+    "both, warps_k 1 (16 steps a warp)": ({}, {"warps_k": 1, "block_r": 128}),
+}
 
 
 @triton.jit
@@ -78,15 +91,43 @@ def _products(a0, a1, a2, a3, b0, b1, b2, b3, xp, amax_a, amax_b, c0, c1, c2, c3
 
 
 @triton.jit
+def _fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE: tl.constexpr,
+           DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, NSUB: tl.constexpr, STREAM: tl.constexpr,
+           ABSMAX: tl.constexpr):
+    """nf4.linear.kernel.mma_fetch with its two switches: STREAM (the weight's words not kept in L1, as there) and
+    ABSMAX (read both rows' absmax through both levels, as there; else 1.0 without a read)."""
+    if STREAM and ABSMAX:
+        return mma_fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE,
+                         DOUBLE_QUANT, FTZ, NSUB)
+    a0, a1, a2, a3 = load_v4(wa + j // 4, STREAM)
+    b0, b1, b2, b3 = load_v4(wb + j // 4, STREAM)
+    a4, a5, a6, a7 = a0, a1, a2, a3
+    b4, b5, b6, b7 = b0, b1, b2, b3
+    if NSUB == 2:
+        a4, a5, a6, a7 = load_v4(wa + j // 4 + 4, STREAM)
+        b4, b5, b6, b7 = load_v4(wb + j // 4 + 4, STREAM)
+    if ABSMAX:
+        amax_a = absmax_of_block((ra * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
+                                 offset_ptr, DOUBLE_QUANT, FTZ, True)
+        amax_b = absmax_of_block((rb * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
+                                 offset_ptr, DOUBLE_QUANT, FTZ, True)
+    else:
+        amax_a = tl.full(ra.shape, 1.0, tl.float32)
+        amax_b = amax_a
+    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, amax_a, amax_b
+
+
+@triton.jit
 def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, zero_ptr, N, KB,
                       BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, X_DT: tl.constexpr,
                       THREADS: tl.constexpr, HALF: tl.constexpr, WARPS_K: tl.constexpr, MODE: tl.constexpr,
-                      ROTATE: tl.constexpr):
+                      ROTATE: tl.constexpr, STREAM: tl.constexpr, ABSMAX: tl.constexpr, XLOAD: tl.constexpr):
     """nf4_gemv_mma_kernel's loop for one row of x (NTILE 1, SPLIT 1). MODE bit 1: each step reads the next step's
     weight bytes and absmax from memory (else it XORs the held ones with the step's offset); bit 2: each step
     decodes and multiplies (else its words, absmax and x are XOR-ed into one word). MODE 3 is the production
     loop's work. ROTATE: program p takes its steps in the order p, p + 1, ... (mod the steps of a warp) instead of
-    0, 1, ...: at any moment the programs read different columns of their rows. out: one word per thread."""
+    0, 1, ...: at any moment the programs read different columns of their rows. STREAM, ABSMAX: `_fetch`'s.
+    XLOAD (without DECODE): x's words read too. out: one word per thread."""
     LOADS: tl.constexpr = MODE % 2 == 1
     DECODE: tl.constexpr = MODE // 2 == 1
     NSUB: tl.constexpr = HALF // 16
@@ -113,9 +154,9 @@ def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, off
     n_it = tl.cdiv(KB, ROUND)
     rot = pid % n_it if ROTATE else 0
     j = tl.minimum(rot * ROUND + kw * STEP, KB - STEP) + t * HALF
-    (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = mma_fetch(
+    (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _fetch(
         wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE, DOUBLE_QUANT, FTZ,
-        NSUB)
+        NSUB, STREAM, ABSMAX)
     zero = tl.zeros((THREADS,), dtype=tl.float32)
     c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
     sink = tl.zeros((THREADS,), dtype=tl.uint32)
@@ -131,8 +172,8 @@ def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, off
         xp = tl.where(s < KB, xw_ptr + j, zw)
         if LOADS:
             (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a,
-             next_b) = mma_fetch(wa, wb, ra, rb, jn, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                                  BLOCKSIZE, DOUBLE_QUANT, FTZ, NSUB)
+             next_b) = _fetch(wa, wb, ra, rb, jn, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                               BLOCKSIZE, DOUBLE_QUANT, FTZ, NSUB, STREAM, ABSMAX)
         else:
             step = s.to(tl.uint32)
             na0, na1, na2, na3, na4, na5, na6, na7 = _xor8(a0, a1, a2, a3, a4, a5, a6, a7, step)
@@ -153,9 +194,10 @@ def gemv_limit_kernel(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, off
                 sink = _fold4(sink, a4, a5, a6, a7)
                 sink = _fold4(sink, b4, b5, b6, b7)
             sink = sink ^ amax_a.to(tl.uint32, bitcast=True) ^ amax_b.to(tl.uint32, bitcast=True)
-            for q in tl.static_range(4 * NSUB):  # x's words at this lane's bytes, as the products read them
-                x0, x1, x2, x3 = load_v4(xp + 4 * q, False)
-                sink = _fold4(sink, x0, x1, x2, x3)
+            if XLOAD:
+                for q in tl.static_range(4 * NSUB):  # x's words at this lane's bytes, as the products read them
+                    x0, x1, x2, x3 = load_v4(xp + 4 * q, False)
+                    sink = _fold4(sink, x0, x1, x2, x3)
     if DECODE:
         y = ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
         sink = y.to(tl.uint32, bitcast=True)
@@ -217,12 +259,14 @@ def _probe_args(x, packed, w, out, dummy, config: linear_config.LinearConfig, mo
             "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out, "zero_ptr": dummy, "N": w.N, "KB": w.K // 2,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "THREADS": 32 * config.num_warps, "HALF": min(w.blocksize // 2, config.step_bytes, 32),
-            "WARPS_K": config.warps_k, "MODE": MODES[mode][0], "ROTATE": MODES[mode][1]}  # fmt: skip
+            "WARPS_K": config.warps_k, **_BASE, **MODES[mode][0]}  # fmt: skip
     return args, {"num_warps": config.num_warps}
 
 
 def probe_launch(x, packed, qs, config: linear_config.LinearConfig, mode: str):
-    """A callable launching gemv_limit_kernel in `mode` on (x, packed, qs) with `config`'s grid and lanes."""
+    """A callable launching gemv_limit_kernel in `mode` on (x, packed, qs) with `config`'s grid and lanes (as the
+    part changes them)."""
+    config = config.with_(**MODES[mode][1])
     w = linear_api.weight_state(packed, qs)
     programs = triton.cdiv(w.N, config.block_r)
     out = torch.empty(programs * 32 * config.num_warps, dtype=torch.int32, device=x.device)
@@ -276,10 +320,12 @@ def sass_mix(n: int, k: int, dtype, config: linear_config.LinearConfig, arch: in
                                                            mma_check=lambda *a: True)
     out = {"arch": f"sm_{arch}", "weight": f"{n}x{k}", "dtype": str(dtype).removeprefix("torch."),
            "grid": list(grid), "loop_bytes_per_warp": 16 * 4 * args["HALF"],
-           "production": _sass_of(fn, args, options, arch)}
+           "production": {**_sass_of(fn, args, options, arch), "loop_bytes_per_warp": 16 * 4 * args["HALF"]}}
     for mode in MODES:
-        pargs, poptions = _probe_args(x, packed, w, torch.empty(16, dtype=torch.int32), torch.empty(64), config, mode)
+        pargs, poptions = _probe_args(x, packed, w, torch.empty(16, dtype=torch.int32), torch.empty(64),
+                                      config.with_(**MODES[mode][1]), mode)
         out[mode] = _sass_of(gemv_limit_kernel, pargs, poptions, arch)
+        out[mode]["loop_bytes_per_warp"] = 16 * 4 * pargs["HALF"]
     return out
 
 
