@@ -37,7 +37,19 @@ import sys
 from pathlib import Path
 
 from paper.latex import NM, Document
-from paper.sections import bench, challenge, claims, codebook, experiments, known, linear, probe, tuning, verify
+from paper.sections import (
+    bench,
+    challenge,
+    claims,
+    codebook,
+    experiments,
+    gemv_limit,
+    known,
+    linear,
+    probe,
+    tuning,
+    verify,
+)
 
 # This module reads the inputs that several sections share and runs the sections in order; paper/sections/
 # holds one module per section, paper/latex.py what they share. NM is re-exported for the tests.
@@ -66,6 +78,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/tuning/", tuning.build, tuning.load(doc))
     doc.section("results/probe_<gpu>.json", probe.build, probe.load(doc))
     doc.section("results/linear/", linear.build, linear.load(doc))
+    doc.section("results/linear/gemv_limit_<gpu>.json", gemv_limit.build, gemv_limit.load(doc))
     doc.section("paper/published_claims.json", claims.build, Path(claims_path))
     doc.provenance()
     doc.write("macros.tex", doc.macros_tex())
