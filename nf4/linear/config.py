@@ -157,6 +157,8 @@ GEMV_MMA32 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_war
 GEMV_MMA_WK = LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8, step_bytes=32,
                            split_k=1)
 GEMV_MMA_WK16 = GEMV_MMA_WK.with_(step_bytes=16)
+# 4 warps splitting K 4 ways (l34's kernel): on rows too short for GEMV_MMA_WK (`for_shape`).
+GEMV_MMA_WK4 = GEMV_MMA_WK.with_(num_warps=4, warps_k=4)
 DEQUANT = LinearConfig(path="dequant")
 # What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config, through `fallback`): the tensor-core
 # GEMV (x or the packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes
@@ -166,8 +168,9 @@ DEQUANT = LinearConfig(path="dequant")
 # shape without mma, any other codebook-3 config its shape with codebook 0.
 Rows = tuple[tuple[int | None, LinearConfig], ...]
 FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
-    GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: DEQUANT, GEMV_MMA32: DEQUANT,
-    GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT))}
+    GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: ((4, GEMV_TABLE), (None, DEQUANT)),
+    GEMV_MMA32: DEQUANT, GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT)),
+    GEMV_MMA_WK4: GEMV_TABLE}
 
 
 def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
@@ -236,10 +239,36 @@ def routes_gemm_4bit(device_name: str, m: int) -> bool:
     return m >= _gpu_limit(ROUTE_GEMM_4BIT_MIN_M, device_name)
 
 
-def tuned(device_name: str, m: int, backward: bool = False) -> LinearConfig:
-    """The tuned config for M rows of x on the named GPU ("" for the interpreter: the default rows)."""
+def for_shape(config: LinearConfig, m: int, n: int, k: int, sms: int) -> LinearConfig:
+    """The config a tuned single-launch GEMV row (GEMV_MMA_WK, GEMV_MMA_WK16: M <= 8) gives way to on a weight
+    of n x k that it fits badly, on a GPU of `sms` multiprocessors; any other config unchanged. From the sweeps
+    of the tensor-core GEMV grid at M = 1, 2, 4, 8 on 1024x4096, 8192x2048, 2048x8192 and 4096x4096 (bf16,
+    results/linear/tuning/sweep_shapes_{h100,h200}.json, at 125705e), alike on both GPUs:
+    - fewer 16-row groups than multiprocessors (cdiv(n, 16) < sms: one launch leaves part of the GPU idle):
+      GEMV_MMA16 (split-K, partial sums added by a second kernel). 1024x4096: 5.7-5.8 us against 6.2-6.4 (H100)
+      and 5.5-5.7 against 6.2-6.5 (H200); 2048x8192: 10.1-10.3 against 10.3-10.7 and 10.0-10.2 against 10.3-10.9;
+    - else, at M <= 4, rows shorter than two steps of a GEMV_MMA_WK warp (k / 2 bytes < 2 x 8 warps x 128 bytes):
+      GEMV_MMA_WK4, whose 4 warps take two 128-byte steps each there. 8192x2048: 9.3 us against 10.1-12.0 (H100)
+      and 9.1-9.4 against 10.0-11.8 (H200); at M = 8 it measured as GEMV_MMA_WK16 (10.2 / 10.0 against 10.2 /
+      10.4), which stays.
+    4096x4096, where neither applies, kept its rows (the best config of the grid within 0.25 us of them)."""
+    if config != GEMV_MMA_WK and config != GEMV_MMA_WK16:
+        return config
+    if -(-n // 16) < sms:
+        return GEMV_MMA16
+    if m <= 4 and k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:
+        return GEMV_MMA_WK4
+    return config
+
+
+def tuned(device_name: str, m: int, backward: bool = False, *, n: int | None = None, k: int | None = None,
+          sms: int | None = None) -> LinearConfig:
+    """The tuned config for M rows of x on the named GPU ("" for the interpreter: the default rows); given the
+    weight's n x k and the GPU's multiprocessors, as `for_shape` adjusts it for that weight."""
     if not device_name:
-        table = INTERPRETER
-    else:
-        table = next((t for gpu, t in TUNED.items() if gpu in device_name), TUNED[DEFAULT_GPU])
-    return pick(table["backward" if backward else "forward"], m)
+        return pick(INTERPRETER["backward" if backward else "forward"], m)
+    table = next((t for gpu, t in TUNED.items() if gpu in device_name), TUNED[DEFAULT_GPU])
+    config = pick(table["backward" if backward else "forward"], m)
+    if not backward and n is not None and k is not None and sms:
+        config = for_shape(config, m, n, k, sms)
+    return config
