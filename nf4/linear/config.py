@@ -240,23 +240,21 @@ def routes_gemm_4bit(device_name: str, m: int) -> bool:
 
 
 def for_shape(config: LinearConfig, m: int, n: int, k: int, sms: int) -> LinearConfig:
-    """The config a tuned single-launch GEMV row (GEMV_MMA_WK, GEMV_MMA_WK16: M <= 8) gives way to on a weight
-    of n x k that it fits badly, on a GPU of `sms` multiprocessors; any other config unchanged. From the sweeps
-    of the tensor-core GEMV grid at M = 1, 2, 4, 8 on 1024x4096, 8192x2048, 2048x8192 and 4096x4096 (bf16,
-    results/linear/tuning/sweep_shapes_{h100,h200}.json, at 125705e), alike on both GPUs:
-    - fewer 16-row groups than multiprocessors (cdiv(n, 16) < sms: one launch leaves part of the GPU idle):
-      GEMV_MMA16 (split-K, partial sums added by a second kernel). 1024x4096: 5.7-5.8 us against 6.2-6.4 (H100)
-      and 5.5-5.7 against 6.2-6.5 (H200); 2048x8192: 10.1-10.3 against 10.3-10.7 and 10.0-10.2 against 10.3-10.9;
-    - else, at M <= 4, rows shorter than two steps of a GEMV_MMA_WK warp (k / 2 bytes < 2 x 8 warps x 128 bytes):
-      GEMV_MMA_WK4, whose 4 warps take two 128-byte steps each there. 8192x2048: 9.3 us against 10.1-12.0 (H100)
-      and 9.1-9.4 against 10.0-11.8 (H200); at M = 8 it measured as GEMV_MMA_WK16 (10.2 / 10.0 against 10.2 /
-      10.4), which stays.
-    4096x4096, where neither applies, kept its rows (the best config of the grid within 0.25 us of them)."""
-    if config != GEMV_MMA_WK and config != GEMV_MMA_WK16:
+    """The config a tuned single-launch GEMV row gives way to on a weight of n x k that it fits badly, on a GPU of
+    `sms` multiprocessors; any other config unchanged. From sweeps of the tensor-core GEMV grid at M = 1, 2, 4, 8
+    on 1024x4096, 8192x2048, 2048x8192 and 4096x4096 (bf16, results/linear/tuning/sweep_shapes_{h100,h200}.json,
+    at 125705e), alike on both GPUs: at M <= 4, rows shorter than two steps of a GEMV_MMA_WK warp (k / 2 bytes
+    < 2 x 8 warps x 128 bytes) take GEMV_MMA_WK4, whose 4 warps take two 128-byte steps each there (8192x2048:
+    9.3 us against 10.1-12.0 on the H100, 9.1-9.4 against 10.0-11.8 on the H200); at M = 8 it measured as
+    GEMV_MMA_WK16 (10.2 / 10.0 against 10.2 / 10.4), which stays.
+    Where cdiv(n, 16) < sms (one launch leaves multiprocessors idle: 1024x4096, 2048x8192) split-K over programs
+    (GEMV_MMA16) measured 0.3-0.9 us less device time than the rows, but its second launch and partial-sum buffer
+    took 35 us of host time per call against 20-22 (H100, bench-linear at 0bf48e8, results/linear/
+    bench_h100_0bf48e8.json), so the rows stay: those weights are small, and their calls host-bound in eager use.
+    `sms` is kept in the signature for such rules."""
+    if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
         return config
-    if -(-n // 16) < sms:
-        return GEMV_MMA16
-    if m <= 4 and k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:
+    if k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:
         return GEMV_MMA_WK4
     return config
 
