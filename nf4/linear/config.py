@@ -152,8 +152,8 @@ GEMV_MMA32 = LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_war
 # 1.52-1.71x. Device time: better or within 0.3 us on the three swept weights; on 2048x8192 better at M = 1-4 and
 # 0.5-0.9 us slower at M = 8; 0.6-1.1 us slower on 1024x4096 at M <= 8 (64 programs of 16 rows for 132
 # multiprocessors, where the split-K rows filled the GPU) and 0.9-1.4 us slower on 8192x2048 at M = 1-2 (K = 2048:
-# one 128-byte step per warp; our reading, not measured apart: the warps' sum then costs more than it saves).
-# Not yet measured: a row that also depends on N and K.
+# one 128-byte step per warp). The sweeps at 125705e over those weights (`for_shape`) gave 8192x2048 at M <= 4 a
+# program of 4 warps instead (GEMV_MMA_WK4); on 1024x4096 no single launch beat these rows, and split-K cost host time.
 GEMV_MMA_WK = LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8, step_bytes=32,
                            split_k=1)
 GEMV_MMA_WK16 = GEMV_MMA_WK.with_(step_bytes=16)
