@@ -29,7 +29,6 @@ import time
 
 import torch
 
-from nf4 import runtime
 from nf4.linear import LinearConfig
 from nf4.linear import api as linear_api
 from verify import timing
@@ -263,9 +262,7 @@ def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=Fa
                                                  batches=9)
                     row["host_us"], row["jit_host_us"] = h["median_us"], h["ref_median_us"]
                 if name == "nf4.linear":
-                    device = xs[0].device
-                    row["config"] = _config_dict(linear_api.tuned(linear_api._device_name(device), m, n=n, k=k,
-                                                                  sms=runtime.sm_count(device)))
+                    row["config"] = _config_dict(linear_api.tuned(linear_api._device_name(xs[0].device), m, n=n, k=k))
             except Exception as exc:  # a peer that cannot take this case is reported, not fatal
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)

@@ -14,7 +14,8 @@ one run, with rotating weights and CUDA-graph device time:
   XOR-ing its words with the step's offset and the absmax bits with its parity so that nothing is hoisted out
   of the loop): the product tables, the prmt lookups, x's loads (from L1) and the mma.sync products, without
   reading the weight from DRAM;
-- the byte floor: the packed weight and its absmax at the copy bandwidth measured in the same run.
+- the byte floor (bench-linear's: the packed weight, its absmax, x and the output at the copy bandwidth measured in
+  the same run).
 Neither probe kernel is exact (they compute nothing the user wants); they run only here and are not
 variants of the registry, whose variants are operand-exact before they are timed.
 
@@ -38,13 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nf4.device import absmax_of_block, load_v4, product_table
+from nf4.device import load_v4, product_table
 from nf4.linear import api as linear_api
 from nf4.linear import config as linear_config
-from nf4.linear.kernel import mma_fetch, mma_tile
+from nf4.linear.kernel import mma_absmax, mma_tile, mma_words
 from verify import timing
 
-from .bench_linear import make_weights, mismatches
+from .bench_linear import floors, make_weights, mismatches
 
 DEFAULT_SHAPES = ("14336x4096", "4096x14336", "4096x4096")
 X_DT = {torch.float16: 1, torch.bfloat16: 2}  # the kernels' dtype codes
@@ -96,21 +97,10 @@ def _fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, of
            ABSMAX: tl.constexpr):
     """nf4.linear.kernel.mma_fetch with its two switches: STREAM (the weight's words not kept in L1, as there) and
     ABSMAX (read both rows' absmax through both levels, as there; else 1.0 without a read)."""
-    if STREAM and ABSMAX:
-        return mma_fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE,
-                         DOUBLE_QUANT, FTZ, NSUB)
-    a0, a1, a2, a3 = load_v4(wa + j // 4, STREAM)
-    b0, b1, b2, b3 = load_v4(wb + j // 4, STREAM)
-    a4, a5, a6, a7 = a0, a1, a2, a3
-    b4, b5, b6, b7 = b0, b1, b2, b3
-    if NSUB == 2:
-        a4, a5, a6, a7 = load_v4(wa + j // 4 + 4, STREAM)
-        b4, b5, b6, b7 = load_v4(wb + j // 4 + 4, STREAM)
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = mma_words(wa, wb, j, NSUB, STREAM)
     if ABSMAX:
-        amax_a = absmax_of_block((ra * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
-                                 offset_ptr, DOUBLE_QUANT, FTZ, True)
-        amax_b = absmax_of_block((rb * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
-                                 offset_ptr, DOUBLE_QUANT, FTZ, True)
+        amax_a, amax_b = mma_absmax(ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                                    BLOCKSIZE, DOUBLE_QUANT, FTZ)
     else:
         amax_a = tl.full(ra.shape, 1.0, tl.float32)
         amax_b = amax_a
@@ -292,15 +282,12 @@ def _sass_of(fn, args: dict, options: dict, arch: int) -> dict:
     src = triton.compiler.ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"],
                                     attrs=spec["attrs"])
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=spec["options"])
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", path], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", path], capture_output=True,
-                             text=True).stdout
+        sass = subprocess.run([sm75._tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([sm75._tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
     loop = _main_loop(sass)
     regs = re.search(r"REG:(\d+)", res)
     return {"kernel": fn.__name__, "num_warps": options["num_warps"], "registers": int(regs.group(1)) if regs else None,
@@ -360,8 +347,7 @@ def measure(shape: str, dtype, config, copy_gbs: float, log=print) -> list[dict]
     x[0, 0] = 1  # the identity row e_0: the output is column 0 of the operand
     base = {"N": n, "K": k, "M": 1, "dtype": str(dtype).removeprefix("torch."),
             "config": {f: getattr(config, f) for f in ("num_warps", "warps_k", "block_r", "step_bytes", "split_k")}}
-    n_blocks = n * k // 64
-    floor = (n * k // 2 + n_blocks + 4 * -(-n_blocks // 256) + 1028) / (copy_gbs * 1e9) * 1e6
+    floor = floors(n, k, 1, torch.empty((), dtype=dtype).element_size(), copy_gbs)["byte_floor_us"]
     got = nf4.linear(x, sets[0][0], sets[0][1], config=config)
     want = nf4.dequantize(sets[0][0], sets[0][1])[:, 0].to(dtype)[None, :]
     g = timing.graph_time_us(lambda i: nf4.linear(x, *sets[i % len(sets)], config=config), list(range(len(sets))))

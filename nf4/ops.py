@@ -184,8 +184,7 @@ def _linear(
     w = api.new_weight(n, k, blocksize, absmax2 is not None, w_dtype, absmax, absmax2, code2, offset, x.device)
     m = x.shape[0]
     n_out = k if trans else n
-    name = api._device_name(x.device)
-    config = config_mod.tuned(name, m, trans, n=n, k=k, sms=runtime.sm_count(x.device) if name else None)
+    config = config_mod.tuned(api._device_name(x.device), m, trans, n=n, k=k)
     if config.path != "dequant":
         config = api.launch_config(config, w, x, packed, m, trans)
     if config.path == "dequant":  # the table's, or a tensor-core GEMV's fallback

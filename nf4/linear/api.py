@@ -365,8 +365,7 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
         return torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     asked = config
     if config is None:
-        name = _device_name(x.device)
-        config = tuned(name, m, trans, n=w.N, k=w.K, sms=runtime.sm_count(x.device) if name else None)
+        config = tuned(_device_name(x.device), m, trans, n=w.N, k=w.K)
     if config.path == "dequant":
         return _dequant_run(x2, packed, w, bias, trans, ftz).reshape(*lead, n_out)
     interpreting = runtime.interpreting(x.device)

@@ -239,19 +239,18 @@ def routes_gemm_4bit(device_name: str, m: int) -> bool:
     return m >= _gpu_limit(ROUTE_GEMM_4BIT_MIN_M, device_name)
 
 
-def for_shape(config: LinearConfig, m: int, n: int, k: int, sms: int) -> LinearConfig:
-    """The config a tuned single-launch GEMV row gives way to on a weight of n x k that it fits badly, on a GPU of
-    `sms` multiprocessors; any other config unchanged. From sweeps of the tensor-core GEMV grid at M = 1, 2, 4, 8
+def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
+    """The config a tuned single-launch GEMV row gives way to on a weight of n x k that it fits badly; any other
+    config unchanged. From sweeps of the tensor-core GEMV grid at M = 1, 2, 4, 8
     on 1024x4096, 8192x2048, 2048x8192 and 4096x4096 (bf16, results/linear/tuning/sweep_shapes_{h100,h200}.json,
     at 125705e), alike on both GPUs: at M <= 4, rows shorter than two steps of a GEMV_MMA_WK warp (k / 2 bytes
     < 2 x 8 warps x 128 bytes) take GEMV_MMA_WK4, whose 4 warps take two 128-byte steps each there (8192x2048:
     9.3 us against 10.1-12.0 on the H100, 9.1-9.4 against 10.0-11.8 on the H200); at M = 8 it measured as
     GEMV_MMA_WK16 (10.2 / 10.0 against 10.2 / 10.4), which stays.
-    Where cdiv(n, 16) < sms (one launch leaves multiprocessors idle: 1024x4096, 2048x8192) split-K over programs
+    Where cdiv(n, 16) < multiprocessors (one launch leaves some idle: 1024x4096, 2048x8192) split-K over programs
     (GEMV_MMA16) measured 0.3-0.9 us less device time than the rows, but its second launch and partial-sum buffer
     took 35 us of host time per call against 20-22 (H100, bench-linear at 0bf48e8, results/linear/
-    bench_h100_0bf48e8.json), so the rows stay: those weights are small, and their calls host-bound in eager use.
-    `sms` is kept in the signature for such rules."""
+    bench_h100_0bf48e8.json), so the rows stay: those weights are small, and their calls host-bound in eager use."""
     if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
         return config
     if k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:
@@ -259,14 +258,14 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int, sms: int) -> LinearC
     return config
 
 
-def tuned(device_name: str, m: int, backward: bool = False, *, n: int | None = None, k: int | None = None,
-          sms: int | None = None) -> LinearConfig:
+def tuned(device_name: str, m: int, backward: bool = False, *, n: int | None = None,
+          k: int | None = None) -> LinearConfig:
     """The tuned config for M rows of x on the named GPU ("" for the interpreter: the default rows); given the
-    weight's n x k and the GPU's multiprocessors, as `for_shape` adjusts it for that weight."""
+    weight's n x k, as `for_shape` adjusts it for that weight."""
     if not device_name:
         return pick(INTERPRETER["backward" if backward else "forward"], m)
     table = next((t for gpu, t in TUNED.items() if gpu in device_name), TUNED[DEFAULT_GPU])
     config = pick(table["backward" if backward else "forward"], m)
-    if not backward and n is not None and k is not None and sms:
-        config = for_shape(config, m, n, k, sms)
+    if not backward and n is not None and k is not None:
+        config = for_shape(config, m, n, k)
     return config

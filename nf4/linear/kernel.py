@@ -427,21 +427,38 @@ def _mma_store(y, ptr, bias_ptr, rows, m, M, N, pid_k, PARTIAL: tl.constexpr, HA
 
 
 @triton.jit
-def mma_fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-               BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, NSUB: tl.constexpr):
-    """A lane's words of its two rows of W (at wa, wb: rows ra, rb) for the step at byte j, NSUB 16-byte tiles
-    each (with one, the second four words repeat the first), and the two rows' absmax there."""
-    a0, a1, a2, a3 = load_v4(wa + j // 4, True)
-    b0, b1, b2, b3 = load_v4(wb + j // 4, True)
+def mma_words(wa, wb, j, NSUB: tl.constexpr, STREAM: tl.constexpr):
+    """A lane's words of its two rows of W (at wa, wb) for the step at byte j, NSUB 16-byte tiles each (with one,
+    the second four words repeat the first). STREAM: not kept in L1 (as mma_fetch reads them)."""
+    a0, a1, a2, a3 = load_v4(wa + j // 4, STREAM)
+    b0, b1, b2, b3 = load_v4(wb + j // 4, STREAM)
     a4, a5, a6, a7 = a0, a1, a2, a3
     b4, b5, b6, b7 = b0, b1, b2, b3
     if NSUB == 2:
-        a4, a5, a6, a7 = load_v4(wa + j // 4 + 4, True)
-        b4, b5, b6, b7 = load_v4(wb + j // 4 + 4, True)
+        a4, a5, a6, a7 = load_v4(wa + j // 4 + 4, STREAM)
+        b4, b5, b6, b7 = load_v4(wb + j // 4 + 4, STREAM)
+    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
+
+
+@triton.jit
+def mma_absmax(ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE: tl.constexpr,
+               DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr):
+    """The absmax of rows ra and rb at byte j of their rows (the lane's block of the step)."""
     amax_a = absmax_of_block((ra * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
                              offset_ptr, DOUBLE_QUANT, FTZ, True)
     amax_b = absmax_of_block((rb * KB + j) // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr,
                              offset_ptr, DOUBLE_QUANT, FTZ, True)
+    return amax_a, amax_b
+
+
+@triton.jit
+def mma_fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+              BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, NSUB: tl.constexpr):
+    """A lane's words of its two rows of W (at wa, wb: rows ra, rb) for the step at byte j (`mma_words`) and the
+    two rows' absmax there (`mma_absmax`)."""
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = mma_words(wa, wb, j, NSUB, True)
+    amax_a, amax_b = mma_absmax(ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE,
+                                DOUBLE_QUANT, FTZ)
     return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, amax_a, amax_b
 
 

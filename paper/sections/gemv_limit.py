@@ -9,9 +9,9 @@ over the whole weight at the measured rate, nothing else counted.
 from __future__ import annotations
 
 from paper.latex import NM, Document, integer, missing_box, num, ratio, row, shape_tex, tex, us
+from paper.sections.linear import BAR_SHAPES, GPUS, load_per_gpu
 
-GPUS = (("h100", "HOneHundred", "H100"), ("h200", "HTwoHundred", "H200"))
-SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096))
+SHAPES = tuple(shape for shape, _ in BAR_SHAPES)
 # (part in the result file, row label)
 PARTS = (("production", "production (\\code{nf4.linear}, the table's $M{=}1$ row)"),
          ("both", "probe: loads and decode"),
@@ -27,16 +27,8 @@ ALU_OPS = ("PRMT", "LOP3", "SHF", "IADD3", "ISETP", "LEA", "SEL", "VIMNMX", "VIA
 
 def load(doc: Document) -> dict | None:
     """{gpu tag: payload} for the files present, or None (noted as missing)."""
-    data = {}
-    for tag, _, label in GPUS:
-        name = f"linear/gemv_limit_{tag}.json"
-        if not (doc.results / name).exists():
-            doc.missing.append(f"results/{name} ({label}: python -m experiments gemv-limit)")
-            continue
-        payload = doc.load(name, label="experiments gemv-limit", required_for=f"GEMV limit, {label}")
-        if isinstance(payload, dict):
-            data[tag] = payload
-    return data or None
+    data = load_per_gpu(doc, (("gemv_limit", ""),), "gemv-limit", "GEMV limit")
+    return {tag: kinds["gemv_limit"] for tag, kinds in data.items()} if data else None
 
 
 def _times(payload) -> dict:

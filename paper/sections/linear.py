@@ -87,14 +87,21 @@ def _over(a, b):
 
 def load(doc: Document) -> dict | None:
     """{gpu tag: {"bench": payload, "bench2": payload}} for the files present, or None (noted as missing)."""
+    return load_per_gpu(doc, (("bench", " bf16 bar weights"), ("bench2", " fp16 weights")), "bench-linear",
+                        "fused linear")
+
+
+def load_per_gpu(doc: Document, kinds, command: str, section: str) -> dict | None:
+    """{gpu tag: {kind: payload}} from results/linear/<kind>_<tag>.json for each (kind, what) of `kinds` (`what`
+    follows the GPU's name in the note of a missing file), or None (each missing file noted)."""
     data = {}
     for tag, _, label in GPUS:
-        for kind, what in (("bench", "bf16 bar weights"), ("bench2", "fp16 weights")):
+        for kind, what in kinds:
             name = f"linear/{kind}_{tag}.json"
             if not (doc.results / name).exists():
-                doc.missing.append(f"results/{name} ({label} {what}: python -m experiments bench-linear)")
+                doc.missing.append(f"results/{name} ({label}{what}: python -m experiments {command})")
                 continue
-            payload = doc.load(name, label="experiments bench-linear", required_for=f"fused linear, {label}")
+            payload = doc.load(name, label=f"experiments {command}", required_for=f"{section}, {label}")
             if isinstance(payload, dict):
                 data.setdefault(tag, {})[kind] = payload
     return data or None

@@ -51,8 +51,7 @@ def launch(x: torch.Tensor, packed, quant_state, out: torch.Tensor, config: Line
     interpreting = runtime.interpreting(x.device) and not meta
     if config is None:  # the rows api.run reads: the GPU's name, "" for the interpreter
         name = SM75_DEVICE if meta else "" if interpreting else torch.cuda.get_device_name(x.device)
-        sms = T4_SMS if meta else None if interpreting else runtime.sm_count(x.device)
-        config = linear_config.tuned(name, m, trans, n=w.N, k=w.K, sms=sms)
+        config = linear_config.tuned(name, m, trans, n=w.N, k=w.K)
     if config.path != "dequant":
         config = linear_api.launch_config(config, w, x, packed, m, trans)
     if config.path == "dequant":  # the table's, or a tensor-core GEMV's fallback

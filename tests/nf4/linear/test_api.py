@@ -478,16 +478,16 @@ def test_warps_k_config_falls_back_where_the_tensor_core_gemv_cannot_run(nf4h):
 
 
 def test_tuned_rows_for_a_weights_shape():
-    """config.tuned with the weight's shape and the GPU's multiprocessors (config.for_shape): at M <= 4 the
+    """config.tuned with the weight's shape (config.for_shape): at M <= 4 the
     single-launch rows become GEMV_MMA_WK4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8
     warps (2048 bytes); every other row and M, a weight of few rows, the backward, a call without the shape and
     the interpreter's rows are as before."""
     from nf4.linear.config import GEMV_MMA_WK, GEMV_MMA_WK4, GEMV_MMA_WK16, INTERPRETER, for_shape, pick, tuned
 
-    h100, sms = "NVIDIA H100 80GB HBM3", 132
+    h100 = "NVIDIA H100 80GB HBM3"
 
     def at(m, n, k, name=h100, backward=False):
-        return tuned(name, m, backward, n=n, k=k, sms=sms)
+        return tuned(name, m, backward, n=n, k=k)
 
     for m in (1, 2, 3, 4, 5, 8):
         short = GEMV_MMA_WK4 if m <= 4 else tuned(h100, m)
@@ -501,6 +501,6 @@ def test_tuned_rows_for_a_weights_shape():
         assert at(m, 1024, 2048) is tuned(h100, m), m
     assert at(1, 1024, 2048, backward=True) is tuned(h100, 1, True)  # the backward rows are not adjusted
     assert at(1, 1024, 2048, name="") is pick(INTERPRETER["forward"], 1)  # nor the interpreter's
-    assert tuned("NVIDIA H200", 1, n=8192, k=2048, sms=sms) is GEMV_MMA_WK4  # the H100's rows apply to the H200
+    assert tuned("NVIDIA H200", 1, n=8192, k=2048) is GEMV_MMA_WK4  # the H100's rows apply to the H200
     mine = GEMV_MMA_WK16.with_(programs_per_sm=4)  # a config of the caller's own is never adjusted
-    assert for_shape(mine, 1, 8192, 2048, sms) is mine
+    assert for_shape(mine, 1, 8192, 2048) is mine
