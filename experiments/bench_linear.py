@@ -63,6 +63,13 @@ GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128,
              (128, 128, 64, 8, 1, False, 2), (128, 128, 64, 8, 1, False, 0), (128, 256, 64, 8, 1, False, 2),
              (128, 128, 64, 4, 1, False, 2), (128, 64, 64, 4, 1, False, 2), (64, 256, 64, 8, 1, False, 2)]
 
+# The word tl.dot kernel (codebook 3: nf4_gemm_word_kernel, forward only): (block_m, block_n, warps, stages, swap);
+# block_n is 32 rows per thread of the decode (one row's step per thread), split-K auto (where the tiles are fewer
+# than the multiprocessors)
+WORD_GRID = [(16, 128, 4, 2, True), (32, 128, 4, 2, True), (64, 128, 4, 2, True), (64, 128, 4, 3, True),
+             (128, 128, 4, 2, True), (128, 128, 4, 3, True), (256, 128, 4, 2, True), (64, 256, 8, 2, True),
+             (128, 256, 8, 2, True), (256, 256, 8, 2, True), (128, 128, 4, 2, False), (32, 128, 4, 3, True)]
+
 
 def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
     """The tuning grid at M rows: GEMV shapes for M <= 8 and tensor-core GEMV shapes for M <= 32 (forward),
@@ -83,11 +90,17 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
         if bm <= top and (m <= 64 or bm >= 64):
             out.append(LinearConfig(path="gemm", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
                                     swap=swap, codebook=cb))
+    if not backward:
+        out += [LinearConfig(path="gemm", codebook=3, block_m=bm, block_n=bn, block_k=64, num_warps=w, num_stages=st,
+                             swap=swap, split_k=0) for bm, bn, w, st, swap in WORD_GRID
+                if bm <= top and (m <= 64 or bm >= 64)]
     return out
 
 
 def _family(config: LinearConfig) -> str:
     """The --sweep-paths name of a config: gemv, mma (tensor-core GEMV), mma-wk (its warps splitting K), gemm."""
+    if config.path == "gemm" and config.codebook == 3:
+        return "wgemm"
     return ("mma-wk" if config.warps_k > 1 else "mma") if config.mma else config.path
 
 
@@ -382,7 +395,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="only nf4's sweep rows (tuning runs)")
     ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "mma", "gemm"],
                     help="config families to sweep (gemv, mma: the tensor-core GEMV, mma-wk: its warps splitting K, "
-                         "gemm)")
+                         "gemm, wgemm: the word tl.dot kernel)")
     ap.add_argument("--out", default=os.path.join("build", "linear", "bench.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

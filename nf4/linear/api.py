@@ -28,6 +28,7 @@ from ..dequant.api import dequantize as _dequantize
 from .config import INTERPRET_PROGRAMS, LinearConfig, fallback, tuned
 from .kernel import (
     nf4_gemm_kernel,
+    nf4_gemm_word_kernel,
     nf4_gemv_kernel,
     nf4_gemv_mma_kernel,
     nf4_gemv_table_kernel,
@@ -138,6 +139,8 @@ def forget(quant_state) -> None:
 def split_k(config: LinearConfig, w: _Weight, m: int, trans: bool, device) -> tuple[int, int]:
     """(programs along K, bytes of a row each) for the GEMV forward; (1, K / 2) for everything else."""
     kb = w.K // 2
+    if word_gemm(config, trans):
+        return gemm_split(config, w, m, device)
     if config.path != "gemv" or trans:
         return 1, kb
     unit = gemv_step(config, w)
@@ -149,6 +152,35 @@ def split_k(config: LinearConfig, w: _Weight, m: int, trans: bool, device) -> tu
         else:
             split = auto_split(triton.cdiv(w.N, config.block_r), steps,
                                config.programs_per_sm * runtime.sm_count(device))
+    split = max(1, min(split, steps))
+    seg = triton.cdiv(steps, split) * unit
+    return triton.cdiv(kb, seg), seg
+
+
+def word_gemm(config: LinearConfig, trans: bool) -> bool:
+    """Whether `config` (as launch_config returns it) runs the word tl.dot kernel (nf4_gemm_word_kernel): a
+    forward tl.dot config with codebook 3."""
+    return config.path == "gemm" and config.codebook == 3 and not trans
+
+
+def gemm_block_k(config: LinearConfig, w: _Weight) -> int:
+    """Weights of a row per step of the word tl.dot kernel: 64 or 32, at most the blocksize."""
+    return min(64, config.block_k, w.blocksize)
+
+
+def gemm_split(config: LinearConfig, w: _Weight, m: int, device) -> tuple[int, int]:
+    """(programs along K, bytes of a row each) of the word tl.dot kernel: config.split_k, or (0) where its output
+    tiles are fewer than the multiprocessors, enough splits to fill them (at least 8 steps each); 1 in the
+    interpreter."""
+    kb = w.K // 2
+    unit = gemm_block_k(config, w) // 2
+    steps = kb // unit
+    split = config.split_k
+    if split == 0:
+        split = 1
+        if not runtime.interpreting(device) and device.type == "cuda":
+            tiles = triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n)
+            split = max(1, min(triton.cdiv(runtime.sm_count(device), tiles), steps // 8))
     split = max(1, min(split, steps))
     seg = triton.cdiv(steps, split) * unit
     return triton.cdiv(kb, seg), seg
@@ -229,6 +261,23 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
                     "BF16_BITS": args["BF16_BITS"], "BLOCK": SUM_BLOCK}
         return [(kernel, grid, args, options),
                 (nf4_split_sum_kernel, (triton.cdiv(m * w.N, SUM_BLOCK),), sum_args, {"num_warps": 4})]
+    if word_gemm(config, trans):
+        split, seg = split_k(config, w, m, trans, x.device)
+        for name in ("CODEBOOK", "W_DT", "TRANS"):
+            del args[name]
+        args.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=gemm_block_k(config, w),
+                    GROUP=config.group, SWAP=config.swap, SPLIT=split, SEG=seg, PARTIAL=split > 1,
+                    DOT_F32=interpreting)
+        grid = (split * triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n),)
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        if split == 1:
+            return [(nf4_gemm_word_kernel, grid, args, options)]
+        args.update(out_ptr=part, HAS_BIAS=False)
+        sum_args = {"part_ptr": part, "bias_ptr": args["bias_ptr"], "out_ptr": out, "MN": m * w.N, "N": w.N,
+                    "SPLIT": split, "HAS_BIAS": bias is not None, "X_DT": _DT[x.dtype],
+                    "BF16_BITS": args["BF16_BITS"], "BLOCK": SUM_BLOCK}
+        return [(nf4_gemm_word_kernel, grid, args, options),
+                (nf4_split_sum_kernel, (triton.cdiv(m * w.N, SUM_BLOCK),), sum_args, {"num_warps": 4})]
     block_k = min(w.blocksize, config.block_k)  # one absmax block per row and step
     args.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP=config.group,
                 SWAP=config.swap and not trans, DOT_F32=interpreting, PERSIST=config.persistent > 0)
@@ -270,6 +319,13 @@ def _aligned(t: torch.Tensor, n: int) -> bool:
     return t.data_ptr() % n == 0
 
 
+def word_gemm_ok(w: _Weight, x_dtype: torch.dtype, packed: torch.Tensor) -> bool:
+    """Whether the word tl.dot kernel (nf4_gemm_word_kernel) takes this product: W's dtype is x's, a step is 32
+    or 64 weights (blocksize >= 32), PTX's cvt.rn.*x2 (sm_80+) or Triton's interpreter, and 4-byte aligned
+    packed bytes."""
+    return (w.dtype == x_dtype and w.blocksize >= 32 and _packs_16bit(packed.device) and _aligned4(packed))
+
+
 MMA_MAX_M = 32
 
 
@@ -305,6 +361,8 @@ def launch_config(config: LinearConfig, w: _Weight, x: torch.Tensor, packed: tor
     word GEMV cannot run (`table_ok`) become their tuned fallback (config.fallback), else the same shape
     without mma (block_r 16 * num_warps) or with codebook 0. Callers pass the result to both `split_k` and
     `kernel_args`; x is the (M, K) operand the kernels read."""
+    if config.path == "gemm" and config.codebook == 3 and not trans and not word_gemm_ok(w, x.dtype, packed):
+        return fallback(config, m) or config.with_(codebook=0)
     if config.path == "gemv" and config.codebook == 3 and not trans:
         half = min(w.blocksize // 2, config.step_bytes)
         if config.mma and not mma_ok(w, x, packed, half, m):

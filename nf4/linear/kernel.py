@@ -739,3 +739,111 @@ def nf4_gemm_kernel(
         _gemm_tile(tl.program_id(0), x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
                    bias_ptr, out_ptr, M, N, K, KB, BLOCKSIZE, DOUBLE_QUANT, FTZ, ASM, CODEBOOK, W_DT, X_DT, TRANS,
                    HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, BF16_BITS, EVICT, DOT_F32)
+
+
+@triton.jit
+def _word_tile(p0, p1, p2, p3, X_DT: tl.constexpr):
+    """Four [R, W] uint32 tensors of weight pairs (`table_pairs`' order: pair j of word w holds elements
+    8w + 2j (low half) and 8w + 2j + 1 (high half)) -> the [R, 8W] tile of 16-bit weights in x's dtype."""
+    R: tl.constexpr = p0.shape[0]
+    W: tl.constexpr = p0.shape[1]
+    q = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [R, W, 2, 2]: entry [.., i, o] is pair 2i + o
+    q = tl.reshape(q, (R, 4 * W))
+    if X_DT == 2:
+        dt = tl.bfloat16
+    else:
+        dt = tl.float16
+    lo = (q & 0xFFFF).to(tl.uint16).to(dt, bitcast=True)
+    hi = (q >> 16).to(tl.uint16).to(dt, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (R, 8 * W))
+
+
+@triton.jit
+def _word_quarter(wp, amax, t0, t1, t2, t3, t4, t5, t6, t7, code_ptr, FTZ: tl.constexpr, ASM: tl.constexpr,
+                  X_DT: tl.constexpr, BF16_BITS: tl.constexpr, EVICT: tl.constexpr):
+    """4 words (32 weights) of each row at wp [BLOCK_N, 4], decoded as a [BLOCK_N, 32] tile."""
+    word = tl.load(wp, eviction_policy=EVICT)
+    if ASM:
+        p0, p1, p2, p3 = table_pairs(word, t0, t1, t2, t3, t4, t5, t6, t7)
+    else:
+        p0, p1, p2, p3 = _word_pairs(word, amax, code_ptr, FTZ, X_DT, BF16_BITS)
+    return _word_tile(p0, p1, p2, p3, X_DT)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT"])
+def nf4_gemm_word_kernel(
+    x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
+    M, N, K, KB,
+    BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr,
+    X_DT: tl.constexpr,  # x's dtype code, also the weight's (1 float16, 2 bfloat16)
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # weights of a row per step: 32 or 64, at most BLOCKSIZE (one absmax per row and step)
+    GROUP: tl.constexpr, SWAP: tl.constexpr,
+    SPLIT,  # programs along K per output tile (split-K)
+    SEG,  # bytes of a row per split (a multiple of BLOCK_K / 2)
+    PARTIAL: tl.constexpr,  # write float32 partial sums [SPLIT, M, N] (SPLIT > 1), summed by nf4_split_sum_kernel
+    BF16_BITS: tl.constexpr, EVICT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """x @ W^T (+ bias) by `tl.dot` (wgmma on Hopper) on W tiles decoded like the word GEMV's: a row's step is
+    BLOCK_K / 8 words of packed bytes looked up with `prmt` in the row's 16-entry product table
+    (`product_table`, built once per row and step), each 4 words laid out in element order as a
+    [BLOCK_N, 32] tile (`_word_tile`) and multiplied with x's 32 matching columns. Grid:
+    SPLIT * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs, GROUP tiles along M next to each other per W tile.
+    SWAP: out^T = W @ x^T (the decoded tile as tl.dot's first operand). Needs W's dtype == x's, 4-byte aligned
+    packed bytes and K a multiple of BLOCK_K (the API checks them); Triton's interpreter decodes with
+    `_word_pairs` instead of PTX."""
+    words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    KW = KB // 4
+    pid = tl.program_id(0)
+    pid_k = pid % SPLIT
+    pid = pid // SPLIT
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP * n_n
+    first_m = (pid // per_group) * GROUP
+    size = tl.minimum(n_m - first_m, GROUP)
+    pid_m = first_m + (pid % per_group) % size
+    pid_n = (pid % per_group) // size
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    r = tl.minimum(rows, N - 1)  # rows past the weight decode its last row (not stored)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    wp = words_ptr + r[:, None] * KW + tl.arange(0, 4)[None, :]
+    xp = x_ptr + m[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
+    blk = r * (KB // (BLOCKSIZE // 2))  # the row's first absmax block
+    always = r >= 0
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = pid_k * SEG
+    end = tl.minimum(first + SEG, KB)
+    for c0 in range(first, end, BLOCK_K // 2):
+        amax = absmax_of_block(blk + c0 // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                               DOUBLE_QUANT, FTZ, ASM)[:, None]
+        if ASM:  # the row's table once for the step
+            t0, t1, t2, t3, t4, t5, t6, t7 = product_table(amax, FTZ, X_DT)
+        else:
+            t0, t1, t2, t3, t4, t5, t6, t7 = amax, amax, amax, amax, amax, amax, amax, amax
+        w = _word_quarter(wp + c0 // 4, amax, t0, t1, t2, t3, t4, t5, t6, t7, code_ptr, FTZ, ASM, X_DT, BF16_BITS,
+                          EVICT)
+        if BLOCK_K == 64:  # the second 4 words: the tile's columns 32..63
+            w2 = _word_quarter(wp + c0 // 4 + 4, amax, t0, t1, t2, t3, t4, t5, t6, t7, code_ptr, FTZ, ASM, X_DT,
+                               BF16_BITS, EVICT)
+            w = tl.reshape(tl.permute(tl.join(w, w2), (0, 2, 1)), (BLOCK_N, 64))
+        xk = tl.load(xp + 2 * c0, mask=m_ok[:, None], other=0.0)
+        if SWAP:
+            acc = _dot(w, tl.trans(xk), acc, DOT_F32)
+        else:
+            acc = _dot(xk, tl.trans(w), acc, DOT_F32)
+    if SWAP:
+        acc = tl.trans(acc)
+    ok = m_ok[:, None] & row_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + (pid_k * M + m[:, None]) * N + rows[None, :], acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc = acc + widen(tl.load(bias_ptr + rows, mask=row_ok, other=0.0), BF16_BITS)[None, :]
+        tl.store(out_ptr + m[:, None] * N + rows[None, :], round_to(acc, X_DT, BF16_BITS), mask=ok)
