@@ -63,12 +63,13 @@ GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128,
              (128, 128, 64, 8, 1, False, 2), (128, 128, 64, 8, 1, False, 0), (128, 256, 64, 8, 1, False, 2),
              (128, 128, 64, 4, 1, False, 2), (128, 64, 64, 4, 1, False, 2), (64, 256, 64, 8, 1, False, 2)]
 
-# The word tl.dot kernel (codebook 3: nf4_gemm_word_kernel, forward only): (block_m, block_n, warps, stages, swap);
-# block_n is 32 rows per thread of the decode (one row's step per thread), split-K auto (where the tiles are fewer
-# than the multiprocessors)
-WORD_GRID = [(16, 128, 4, 2, True), (32, 128, 4, 2, True), (64, 128, 4, 2, True), (64, 128, 4, 3, True),
-             (128, 128, 4, 2, True), (128, 128, 4, 3, True), (256, 128, 4, 2, True), (64, 256, 8, 2, True),
-             (128, 256, 8, 2, True), (256, 256, 8, 2, True), (128, 128, 4, 2, False), (32, 128, 4, 3, True)]
+# The word tl.dot kernel (codebook 3: nf4_gemm_word_kernel, forward only): (block_m, block_n, warps, stages, split_k);
+# the decoded tile is tl.dot's first operand (swap: the unswapped form stores it to shared memory 2 bytes at a time,
+# offline sm_90 build); block_n is 32 rows per warp (a thread decodes one row's step); split_k 0: auto (where the
+# output tiles are fewer than the multiprocessors)
+WORD_GRID = [(bm, 128, 4, 3, sk) for bm in (16, 32, 64, 128) for sk in (1, 2, 4)] + [
+    (bm, 256, 8, 3, sk) for bm in (32, 64, 128) for sk in (1, 2, 4)] + [(64, 64, 2, 3, 1), (64, 64, 2, 3, 2),
+                                                                       (128, 128, 4, 2, 0), (128, 256, 8, 2, 0)]
 
 
 def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
@@ -92,8 +93,8 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
                                     swap=swap, codebook=cb))
     if not backward:
         out += [LinearConfig(path="gemm", codebook=3, block_m=bm, block_n=bn, block_k=64, num_warps=w, num_stages=st,
-                             swap=swap, split_k=0) for bm, bn, w, st, swap in WORD_GRID
-                if bm <= top and (m <= 64 or bm >= 64)]
+                             swap=True, split_k=sk) for bm, bn, w, st, sk in WORD_GRID
+                if bm <= top and (m <= 64 or bm >= 64) and (m <= 128 or sk <= 1)]
     return out
 
 

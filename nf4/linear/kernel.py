@@ -743,31 +743,26 @@ def nf4_gemm_kernel(
 
 @triton.jit
 def _word_tile(p0, p1, p2, p3, X_DT: tl.constexpr):
-    """Four [R, W] uint32 tensors of weight pairs (`table_pairs`' order: pair j of word w holds elements
-    8w + 2j (low half) and 8w + 2j + 1 (high half)) -> the [R, 8W] tile of 16-bit weights in x's dtype."""
-    R: tl.constexpr = p0.shape[0]
-    W: tl.constexpr = p0.shape[1]
-    q = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [R, W, 2, 2]: entry [.., i, o] is pair 2i + o
-    q = tl.reshape(q, (R, 4 * W))
+    """Four [H, R, W] uint32 tensors of weight pairs (`table_pairs`' order: pair j of word w holds elements
+    8w + 2j (low half) and 8w + 2j + 1 (high half)) -> the [R, 8WH] tile of 16-bit weights in x's dtype (word
+    w of part h at columns 8(hW + w) ..). Each join adds its new axis as the fastest register of a thread, so
+    a thread's 8WH weights of a row stay in column order in its registers (vector stores to shared memory)."""
+    H: tl.constexpr = p0.shape[0]
+    R: tl.constexpr = p0.shape[1]
+    W: tl.constexpr = p0.shape[2]
+    q = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [H, R, W, 2, 2]: entry [.., i, o] is pair 2i + o
+    q = tl.reshape(q, (H, R, 4 * W))
     if X_DT == 2:
         dt = tl.bfloat16
     else:
         dt = tl.float16
     lo = (q & 0xFFFF).to(tl.uint16).to(dt, bitcast=True)
     hi = (q >> 16).to(tl.uint16).to(dt, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (R, 8 * W))
-
-
-@triton.jit
-def _word_quarter(wp, amax, t0, t1, t2, t3, t4, t5, t6, t7, code_ptr, FTZ: tl.constexpr, ASM: tl.constexpr,
-                  X_DT: tl.constexpr, BF16_BITS: tl.constexpr, EVICT: tl.constexpr):
-    """4 words (32 weights) of each row at wp [BLOCK_N, 4], decoded as a [BLOCK_N, 32] tile."""
-    word = tl.load(wp, eviction_policy=EVICT)
-    if ASM:
-        p0, p1, p2, p3 = table_pairs(word, t0, t1, t2, t3, t4, t5, t6, t7)
+    t = tl.reshape(tl.join(lo, hi), (H, R, 8 * W))
+    if H == 1:
+        return tl.reshape(t, (R, 8 * W))
     else:
-        p0, p1, p2, p3 = _word_pairs(word, amax, code_ptr, FTZ, X_DT, BF16_BITS)
-    return _word_tile(p0, p1, p2, p3, X_DT)
+        return tl.reshape(tl.permute(t, (1, 0, 2)), (R, 8 * W * H))
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT"])
@@ -810,7 +805,8 @@ def nf4_gemm_word_kernel(
     r = tl.minimum(rows, N - 1)  # rows past the weight decode its last row (not stored)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    wp = words_ptr + r[:, None] * KW + tl.arange(0, 4)[None, :]
+    H: tl.constexpr = BLOCK_K // 32  # 4-word parts of a row's step: [H, BLOCK_N, 4] words, a thread per row
+    wp = words_ptr + r[None, :, None] * KW + (4 * tl.arange(0, H)[:, None, None] + tl.arange(0, 4)[None, None, :])
     xp = x_ptr + m[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
     blk = r * (KB // (BLOCKSIZE // 2))  # the row's first absmax block
     always = r >= 0
@@ -822,17 +818,14 @@ def nf4_gemm_word_kernel(
     end = tl.minimum(first + SEG, KB)
     for c0 in range(first, end, BLOCK_K // 2):
         amax = absmax_of_block(blk + c0 // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                               DOUBLE_QUANT, FTZ, ASM)[:, None]
+                               DOUBLE_QUANT, FTZ, ASM)[None, :, None]
+        word = tl.load(wp + c0 // 4, eviction_policy=EVICT)
         if ASM:  # the row's table once for the step
             t0, t1, t2, t3, t4, t5, t6, t7 = product_table(amax, FTZ, X_DT)
+            p0, p1, p2, p3 = table_pairs(word, t0, t1, t2, t3, t4, t5, t6, t7)
         else:
-            t0, t1, t2, t3, t4, t5, t6, t7 = amax, amax, amax, amax, amax, amax, amax, amax
-        w = _word_quarter(wp + c0 // 4, amax, t0, t1, t2, t3, t4, t5, t6, t7, code_ptr, FTZ, ASM, X_DT, BF16_BITS,
-                          EVICT)
-        if BLOCK_K == 64:  # the second 4 words: the tile's columns 32..63
-            w2 = _word_quarter(wp + c0 // 4 + 4, amax, t0, t1, t2, t3, t4, t5, t6, t7, code_ptr, FTZ, ASM, X_DT,
-                               BF16_BITS, EVICT)
-            w = tl.reshape(tl.permute(tl.join(w, w2), (0, 2, 1)), (BLOCK_N, 64))
+            p0, p1, p2, p3 = _word_pairs(word, amax, code_ptr, FTZ, X_DT, BF16_BITS)
+        w = _word_tile(p0, p1, p2, p3, X_DT)
         xk = tl.load(xp + 2 * c0, mask=m_ok[:, None], other=0.0)
         if SWAP:
             acc = _dot(w, tl.trans(xk), acc, DOT_F32)
