@@ -170,7 +170,7 @@ def gemm_block_k(config: LinearConfig, w: _Weight) -> int:
 
 def gemm_split(config: LinearConfig, w: _Weight, m: int, device) -> tuple[int, int]:
     """(programs along K, bytes of a row each) of the word tl.dot kernel: config.split_k, or (0) the split nearest
-    to programs_per_sm programs per multiprocessor over the output tiles, at least 8 steps each; 1 in the
+    to programs_per_sm programs per multiprocessor over the output tiles, at least 4 steps each; 1 in the
     interpreter."""
     kb = w.K // 2
     unit = gemm_block_k(config, w) // 2
@@ -181,7 +181,7 @@ def gemm_split(config: LinearConfig, w: _Weight, m: int, device) -> tuple[int, i
         if not runtime.interpreting(device) and device.type == "cuda":
             tiles = triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n)
             want = config.programs_per_sm * runtime.sm_count(device)
-            split = max(1, min((want + tiles // 2) // tiles, steps // 8))
+            split = max(1, min((want + tiles // 2) // tiles, steps // 4))
     split = max(1, min(split, steps))
     seg = triton.cdiv(steps, split) * unit
     return triton.cdiv(kb, seg), seg
