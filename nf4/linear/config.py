@@ -160,6 +160,19 @@ GEMV_MMA_WK16 = GEMV_MMA_WK.with_(step_bytes=16)
 # 4 warps splitting K 4 ways (l34's kernel): on rows too short for GEMV_MMA_WK (`for_shape`).
 GEMV_MMA_WK4 = GEMV_MMA_WK.with_(num_warps=4, warps_k=4)
 DEQUANT = LinearConfig(path="dequant")
+# The word tl.dot kernel (nf4_gemm_word_kernel: the word GEMV's prmt decode, one row's 64-weight step per thread,
+# into tl.dot's first operand; wgmma on Hopper), split-K nearest 2 programs per multiprocessor: sweeps at 6215746
+# (H100) and 5cde365 (H200) over 14336x4096, 4096x14336, 4096x4096, 8192x2048, 2048x8192 and 1024x4096 at
+# M = 32-256 (results/linear/tuning/sweep_word_{h100,h200}.json, bf16, every row operand-exact). Against the rows
+# it replaces (results/linear/bench_{h100,h200}.json at c820221), on the H100: 14336x4096 43.9 / 53.3 / 66.5 us at
+# M = 32 / 64 / 128 against 54.7 / 99.6 / 101.1 (GEMV_MMA32, then nf4.dequantize + cuBLAS); 4096x14336 39.1 /
+# 44.4 / 57.1 against 43.9 / 102.6 / 108.1. At M = 256 nf4.dequantize + cuBLAS stays (the word kernel decodes W
+# again per 128 rows of x: 105-134 us against 106-114 on the H100, 100-104 against 85-90 on the H200). Where
+# it cannot run: nf4.dequantize + cuBLAS.
+WORD_GEMM32 = LinearConfig(path="gemm", codebook=3, block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3,
+                           swap=True, split_k=0, programs_per_sm=2)
+WORD_GEMM64 = WORD_GEMM32.with_(block_m=64)
+WORD_GEMM128 = WORD_GEMM32.with_(block_m=128)
 # What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config, through `fallback`): the tensor-core
 # GEMV (x or the packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes
 # the word GEMV up to M = 4 and nf4.dequantize + cuBLAS above (the table's choice there before it); the word GEMV
@@ -170,7 +183,7 @@ Rows = tuple[tuple[int | None, LinearConfig], ...]
 FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
     GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: ((4, GEMV_TABLE), (None, DEQUANT)),
     GEMV_MMA32: DEQUANT, GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT)),
-    GEMV_MMA_WK4: GEMV_TABLE}
+    GEMV_MMA_WK4: GEMV_TABLE, WORD_GEMM32: DEQUANT, WORD_GEMM64: DEQUANT, WORD_GEMM128: DEQUANT}
 
 
 def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
@@ -193,7 +206,8 @@ GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps
 
 TUNED: dict[str, dict[str, Rows]] = {
     "H100": {
-        "forward": ((2, GEMV_MMA_WK), (8, GEMV_MMA_WK16), (16, GEMV_MMA16), (32, GEMV_MMA32), (None, DEQUANT)),
+        "forward": ((2, GEMV_MMA_WK), (8, GEMV_MMA_WK16), (16, GEMV_MMA16), (32, WORD_GEMM32), (64, WORD_GEMM64),
+                    (128, WORD_GEMM128), (None, DEQUANT)),
         "backward": ((None, DEQUANT),),
     },
 }
@@ -239,6 +253,9 @@ def routes_gemm_4bit(device_name: str, m: int) -> bool:
     return m >= _gpu_limit(ROUTE_GEMM_4BIT_MIN_M, device_name)
 
 
+SMALL_WEIGHT = 1024 * 4096
+
+
 def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     """The config a tuned single-launch GEMV row gives way to on a weight of n x k that it fits badly; any other
     config unchanged. From sweeps of the tensor-core GEMV grid at M = 1, 2, 4, 8
@@ -250,7 +267,14 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     Where cdiv(n, 16) < multiprocessors (one launch leaves some idle: 1024x4096, 2048x8192) split-K over programs
     (GEMV_MMA16) measured 0.3-0.9 us less device time than the rows, but its second launch and partial-sum buffer
     took 35 us of host time per call against 20-22 (H100, bench-linear at 0bf48e8, results/linear/
-    bench_h100_0bf48e8.json), so the rows stay: those weights are small, and their calls host-bound in eager use."""
+    bench_h100_0bf48e8.json), so the rows stay: those weights are small, and their calls host-bound in eager use.
+    The word tl.dot rows (sweeps at 6215746 / 5cde365): at M = 17-32 a weight of at most SMALL_WEIGHT weights keeps
+    GEMV_MMA32 (1024x4096, M = 32: 7.5 / 7.4 us against 8.2 / 10.5 on the H100 / H200); at M = 65-128 rows shorter
+    than 4096 take nf4.dequantize + cuBLAS (8192x2048, M = 128: 25.0 / 20.9 us against 26.3 / 25.4)."""
+    if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
+        return GEMV_MMA32
+    if config is WORD_GEMM128 and k < 4096:
+        return DEQUANT
     if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
         return config
     if k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:

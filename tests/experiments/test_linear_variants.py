@@ -16,8 +16,9 @@
   and the split-K GEMV with its ordered sum (l05) build in fp16 and bf16 without spills; the tl.dot
   kernel builds in both dtypes as float32 FMAs (Triton lowers tl.dot to FMAs before sm_80: no
   mma.sync), and its spills are declared where measured. The word GEMV variants (l06-l08, l30-l36)
-  are recorded as not built (min_arch 80), and that claim is checked by compiling the kernels' GPU
-  launches offline: ptxas refuses them for sm_75 and builds them for sm_80.
+  and the word tl.dot kernel (l40-l42) are recorded as not built (min_arch 80), and that claim is
+  checked by compiling the kernels' GPU launches offline: ptxas refuses them for sm_75 and builds them
+  for sm_80.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from experiments.ops import linear as linear_op
 from experiments.registry import Variant
 from nf4.linear import api as linear_api
 from nf4.linear import config as linear_config
-from nf4.linear.kernel import nf4_gemv_kernel, nf4_gemv_mma_kernel, nf4_gemv_table_kernel
+from nf4.linear.kernel import nf4_gemm_word_kernel, nf4_gemv_kernel, nf4_gemv_mma_kernel, nf4_gemv_table_kernel
 
 LINEAR_OPS = ("linear", "linear_backward")
 INTERPRETING = not runner.gpu_mode()
@@ -46,6 +47,7 @@ VARIANTS = {k: v for k, v in registry.variants().items() if v.op in LINEAR_OPS}
 CHECKS = [(v.id, c) for v in VARIANTS.values() if not v.gpu_only for c in ops.get(v.op).interpreter_cases]
 
 WORD_GEMV = ("l06_gemv_word_table", "l07_gemv_word_table_tile16", "l08_gemv_word_table_rows128")
+WORD_GEMM = ("l40_gemm_word", "l41_gemm_word_split", "l42_gemm_word_plain")  # nf4_gemm_word_kernel (sm_80+)
 # id: (config, rows of W per program, threads per program, bytes per lane and step)
 MMA_GEMV = {"l30_gemv_mma": (linear_config.GEMV_MMA, 64, 128, 32),
             "l31_gemv_mma_tile16": (linear_config.GEMV_MMA.with_(step_bytes=16), 64, 128, 16),
@@ -85,8 +87,9 @@ def test_linear_registry():
                                                               "l01_gemv", "l00_production"]
     assert registry.lineage("l33_gemv_mma8") == ["l33_gemv_mma8", "l31_gemv_mma_tile16", "l30_gemv_mma",
                                                  "l06_gemv_word_table", "l01_gemv", "l00_production"]
-    kernels = {**dict.fromkeys(WORD_GEMV, nf4_gemv_table_kernel), **dict.fromkeys(MMA_GEMV, nf4_gemv_mma_kernel)}
-    for vid, v in VARIANTS.items():  # only the word GEMVs need a later GPU than a T4; only l30-l36 need one at all
+    kernels = {**dict.fromkeys(WORD_GEMV, nf4_gemv_table_kernel), **dict.fromkeys(MMA_GEMV, nf4_gemv_mma_kernel),
+               **dict.fromkeys(WORD_GEMM, nf4_gemm_word_kernel)}
+    for vid, v in VARIANTS.items():  # only the word kernels need a later GPU than a T4; only l30-l36 need one at all
         assert v.min_arch == (80 if vid in kernels else 0), vid
         assert v.kernel is kernels[vid] if vid in kernels else v.kernel not in set(kernels.values()), vid
         assert (v.min_arch > 0) == bool(v.arch_reason), vid
@@ -358,7 +361,8 @@ from nf4.linear import api, config
 n, k = SM75_NK
 found = {}
 configs = {"table": config.GEMV_TABLE, "mma": config.GEMV_MMA,
-           "mma-warps_k": config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1)}
+           "mma-warps_k": config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1),
+           "word-gemm": config.WORD_GEMM128.with_(split_k=1)}
 for name, cfg in configs.items():
     for dt in (torch.float16, torch.bfloat16):
         w = api.new_weight(n, k, 64, True, dt, torch.empty(16, dtype=torch.uint8), torch.empty(16), torch.empty(256),
@@ -398,10 +402,13 @@ def test_word_gemv_needs_sm80():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(found) == 12, found
-    assert {key.split()[0] for key in found} == {"nf4_gemv_table_kernel", "nf4_gemv_mma_kernel"}
+    assert len(found) == 16, found
+    assert {key.split()[0] for key in found} == {"nf4_gemv_table_kernel", "nf4_gemv_mma_kernel", "nf4_gemm_word_kernel"}
     for key, r in found.items():
         mma = key.startswith("nf4_gemv_mma_kernel ")
+        if key.startswith("nf4_gemm_word_kernel ") and key.endswith("sm_80"):  # tl.dot: Triton's mma.sync, bar.sync
+            assert "error" not in r and r["cvt_x2"] >= 8 and r["prmt"] > 0 and r["mma"] > 0, (key, r)
+            continue
         assert r["asm"] is (None if mma else True), (key, r)  # the tensor-core kernel has PTX only (no ASM switch)
         if key.endswith("sm_75"):
             error = r.get("error", "")

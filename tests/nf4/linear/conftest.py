@@ -30,6 +30,10 @@ FORWARD = {
     "gemm-swap": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=128, swap=True, codebook=0),
     # persistent: the interpreter's 3 programs loop over all the output tiles
     "gemm-persistent": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=1),
+    # the word tl.dot kernel (codebook 3: nf4_gemm_word_kernel where W's dtype is x's, else the gathering tl.dot
+    # kernel with codebook 0), split-K 2 through the ordered sum, and unswapped
+    "gemm-word": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, swap=True, codebook=3, split_k=2),
+    "gemm-word-plain": LinearConfig(path="gemm", block_m=16, block_n=16, block_k=64, codebook=3, split_k=1),
     "tuned": None,  # the interpreter's rows: GEMV for M <= 4, the tl.dot kernel above
 }
 BACKWARD = {

@@ -397,6 +397,8 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
         GEMV_MMA_WK4,
         GEMV_MMA_WK16,
         GEMV_TABLE,
+        WORD_GEMM32,
+        WORD_GEMM128,
         LinearConfig,
     )
 
@@ -437,6 +439,16 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
     for m, want in ((1, GEMV_TABLE), (4, GEMV_TABLE), (5, DEQUANT), (8, DEQUANT)):
         assert linear_api.launch_config(GEMV_MMA16, w, x(m), packed, m, False) is want, m
     assert linear_api.launch_config(GEMV_MMA_WK4, w, x(1), packed, 1, False) is GEMV_TABLE
+    # the word tl.dot rows run where W's dtype is x's and the packed bytes are 4-byte aligned (the interpreter
+    # too), else nf4.dequantize + cuBLAS; a word tl.dot config of the caller's own becomes the codebook-0 kernel
+    assert linear_api.launch_config(WORD_GEMM32, w, x(32), packed, 32, False) is WORD_GEMM32
+    assert linear_api.launch_config(WORD_GEMM128, w, x(100), packed, 100, False) is WORD_GEMM128
+    assert linear_api.launch_config(WORD_GEMM32, w, x(32, torch.float16), packed, 32, False) is DEQUANT
+    assert linear_api.launch_config(WORD_GEMM128, w, x(64), shifted.reshape(packed.shape), 64, False) is DEQUANT
+    assert linear_api.launch_config(WORD_GEMM32, w, x(32), meta, 32, False) is DEQUANT
+    assert linear_api.launch_config(WORD_GEMM32, w, x(32), packed, 32, True) is WORD_GEMM32  # backward: unused
+    word = LinearConfig(path="gemm", codebook=3, block_m=16, block_n=32)
+    assert linear_api.launch_config(word, w, x(20, torch.float16), packed, 20, False) == word.with_(codebook=0)
 
 
 def test_persistent_gemm_writes_every_tile_with_fewer_programs(nf4h):
@@ -478,11 +490,25 @@ def test_warps_k_config_falls_back_where_the_tensor_core_gemv_cannot_run(nf4h):
 
 
 def test_tuned_rows_for_a_weights_shape():
-    """config.tuned with the weight's shape (config.for_shape): at M <= 4 the
+    """config.tuned with the weight's shape (config.for_shape): the word tl.dot rows give way to GEMV_MMA32 on
+    small weights (M = 17-32) and to nf4.dequantize + cuBLAS on rows under 4096 (M = 65-128); at M <= 4 the
     single-launch rows become GEMV_MMA_WK4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8
     warps (2048 bytes); every other row and M, a weight of few rows, the backward, a call without the shape and
     the interpreter's rows are as before."""
-    from nf4.linear.config import GEMV_MMA_WK, GEMV_MMA_WK4, GEMV_MMA_WK16, INTERPRETER, for_shape, pick, tuned
+    from nf4.linear.config import (
+        DEQUANT,
+        GEMV_MMA32,
+        GEMV_MMA_WK,
+        GEMV_MMA_WK4,
+        GEMV_MMA_WK16,
+        INTERPRETER,
+        WORD_GEMM32,
+        WORD_GEMM64,
+        WORD_GEMM128,
+        for_shape,
+        pick,
+        tuned,
+    )
 
     h100 = "NVIDIA H100 80GB HBM3"
 
@@ -497,8 +523,18 @@ def test_tuned_rows_for_a_weights_shape():
         assert at(m, 1024, 2048) is short, m  # few rows change nothing (split-K would cost a second launch)
         assert at(m, 1024, 4096) is tuned(h100, m), m
     assert tuned(h100, 1) is GEMV_MMA_WK and tuned(h100, 8) is GEMV_MMA_WK16
-    for m in (16, 32, 64, 1024):  # past the single-launch rows: unchanged
+    for m in (16, 64, 1024):  # past the single-launch rows: unchanged
         assert at(m, 1024, 2048) is tuned(h100, m), m
+    # the word tl.dot rows: a small weight keeps GEMV_MMA32 at M = 17-32, rows under 4096 take nf4.dequantize +
+    # cuBLAS at M = 65-128
+    assert tuned(h100, 32) is WORD_GEMM32 and tuned(h100, 64) is WORD_GEMM64 and tuned(h100, 128) is WORD_GEMM128
+    for m in (17, 32):
+        assert at(m, 1024, 4096) is GEMV_MMA32 and at(m, 1024, 2048) is GEMV_MMA32, m
+        assert at(m, 1025, 4096) is WORD_GEMM32 and at(m, 14336, 4096) is WORD_GEMM32, m
+    for m in (65, 128):
+        assert at(m, 8192, 2048) is DEQUANT and at(m, 14336, 4096 - 64) is DEQUANT, m
+        assert at(m, 1024, 4096) is WORD_GEMM128 and at(m, 4096, 14336) is WORD_GEMM128, m
+    assert at(64, 8192, 2048) is WORD_GEMM64 and at(129, 14336, 4096) is DEQUANT
     assert at(1, 1024, 2048, backward=True) is tuned(h100, 1, True)  # the backward rows are not adjusted
     assert at(1, 1024, 2048, name="") is pick(INTERPRETER["forward"], 1)  # nor the interpreter's
     assert tuned("NVIDIA H200", 1, n=8192, k=2048) is GEMV_MMA_WK4  # the H100's rows apply to the H200

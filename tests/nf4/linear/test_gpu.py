@@ -34,8 +34,8 @@ if torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET is set: these tests need compiled kernels", allow_module_level=True)
 
     FORWARD = {  # name -> (rows of x per call, config)
-        "tuned-M1": (1, None), "tuned-M3": (3, None), "tuned-M16": (16, None), "tuned-M64": (64, None),
-        "tuned-M300": (300, None),
+        "tuned-M1": (1, None), "tuned-M3": (3, None), "tuned-M16": (16, None), "tuned-M32": (32, None),
+        "tuned-M64": (64, None), "tuned-M128": (128, None), "tuned-M300": (300, None),
         "gemv": (4, LinearConfig(path="gemv")),
         "gemv-split1": (2, LinearConfig(path="gemv", split_k=1, codebook=0)),
         "gemv-split3": (3, LinearConfig(path="gemv", split_k=3, step_bytes=16, codebook=1)),
@@ -61,6 +61,14 @@ if torch.cuda.is_available():
                                               split_k=1, step_bytes=16)),
         "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
         "gemm-swap": (16, LinearConfig(path="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
+        # the word tl.dot kernel (nf4_gemm_word_kernel): split-K 3 (ordered sum) with M not a multiple of the tile,
+        # one launch with 8 warps, and a split from the programs-per-multiprocessor rule
+        "word-gemm-M19": (19, LinearConfig(path="gemm", codebook=3, block_m=32, block_n=128, swap=True, num_stages=3,
+                                           split_k=3)),
+        "word-gemm-M100": (100, LinearConfig(path="gemm", codebook=3, block_m=128, block_n=256, num_warps=8,
+                                             swap=True, split_k=1)),
+        "word-gemm-M64": (64, LinearConfig(path="gemm", codebook=3, block_m=64, block_n=128, swap=True, num_stages=3,
+                                           split_k=0, programs_per_sm=2)),
         "dequant": (8, LinearConfig(path="dequant")),
     }
     BACKWARD = {
@@ -104,9 +112,9 @@ def _backward_all(lin, packed, qs, dtype, name, seed):
 @pytest.mark.parametrize("blocksize", [64, 128])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_operand(nf4h, lin, shape, blocksize, dtype, double_quant):
-    """Every forward config (the tuned table at M = 1, 3, 16, 64, 300; GEMV with split-K auto, 1, 3; the
-    tl.dot kernel plain and swapped; nf4.dequantize + cuBLAS) and every backward config, on every weight;
-    autograd's x.grad through identity rows of dY."""
+    """Every forward config (the tuned table at M = 1, 3, 16, 32, 64, 128, 300; GEMV with split-K auto, 1, 3; the
+    tl.dot kernel plain and swapped; the word tl.dot kernel; nf4.dequantize + cuBLAS) and every backward config, on
+    every weight; autograd's x.grad through identity rows of dY."""
     seed = nf4h.case_seed("gpu-operand", shape, blocksize, dtype, double_quant)
     packed, qs = nf4h.quantize(shape, dtype, blocksize, double_quant, seed=seed, device=CUDA)
     for name in FORWARD:

@@ -35,8 +35,8 @@ STORAGES = (torch.uint8, torch.bfloat16, torch.float32)
 # blocksize -> K: whole blocks per row (3, 2, 2, 1); 3 steps of 16 bytes at blocksize 32
 K_OF = {32: 96, 64: 128, 128: 256, 256: 256}
 N = 45  # odd; not a multiple of block_r (8, 16, 32) or block_n (16, 32, 128)
-FWD = ("gemv", "gemv-s1", "gemv-s2", "gemv-s3", "gemv-table", "gemm", "gemm-swap", "gemm-persistent",
-       "tuned")  # keys of lin.FORWARD
+FWD = ("gemv", "gemv-s1", "gemv-s2", "gemv-s3", "gemv-table", "gemm", "gemm-swap", "gemm-persistent", "gemm-word",
+       "gemm-word-plain", "tuned")  # keys of lin.FORWARD
 BWD = ("gemv", "gemv-small", "gemm", "gemm-wide", "gemm-persistent", "tuned")  # keys of lin.BACKWARD
 # (x dtype, W dtype, double quant, storage): every dtype pair and storage with double quantization,
 # and a third of them (each dtype pair once) without

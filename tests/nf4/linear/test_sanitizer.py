@@ -6,7 +6,8 @@ or written outside the tensors. PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every ten
 its own, so a read past one is a read outside an allocation. The cases: N odd and not a multiple of
 any tile, K = 384 (not a whole number of the 32-byte-lane steps: the fallbacks) and 512, blocksize 64
 and 128, M = 1, 3, 5, 19, 32, float16 and bfloat16, double quantization on and off, split-K auto and
-1, warps splitting K inside a program (warps_k 4 and 8), through the first call and the bound plan. racecheck
+1, warps splitting K inside a program (warps_k 4 and 8), the word tl.dot kernel (split-K 1 and 3), through the
+first call and the bound plan. racecheck
 covers the shared memory those warps add their sums through. x is made of identity rows, so each output must equal the
 dequantized weight bit for bit: the runs the sanitizer sees are exact ones. Set NF4_SANITIZER_LOG to a
 folder to keep the tool's output there.
@@ -31,14 +32,17 @@ from nf4.linear.config import GEMV_MMA, GEMV_TABLE
 from verify.exact import assert_bitexact
 
 torch.manual_seed(11)
-# (config, the largest M it takes here); None: the tuned rows (GEMV_MMA_WK to 2, GEMV_MMA_WK16 to 8, GEMV_MMA16 to
-# 16, GEMV_MMA32 to 32)
+# (config, the largest M it takes here); None: the tuned rows (GEMV_MMA_WK to 2 (GEMV_MMA_WK4 on these short rows),
+# GEMV_MMA_WK16 to 8, GEMV_MMA16 to 16, GEMV_MMA32 to 32 on these small weights)
 configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
            (LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, step_bytes=16, split_k=3), 32),
            # warps that split K inside a program (their sums through shared memory; steps past the range read zeros)
            (GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1), 4),
            (LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8, step_bytes=16,
-                         split_k=2), 32)]
+                         split_k=2), 32),
+           # the word tl.dot kernel (unmasked word loads from rows clamped to the weight), alone and split-K 3
+           (LinearConfig(path="gemm", codebook=3, block_m=32, block_n=128, swap=True, num_stages=3, split_k=1), 32),
+           (LinearConfig(path="gemm", codebook=3, block_m=16, block_n=128, swap=True, num_stages=3, split_k=3), 32)]
 n_checked = 0
 for n, k in ((45, 384), (333, 512)):
     for blocksize in (64, 128):

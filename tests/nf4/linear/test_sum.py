@@ -34,6 +34,7 @@ CONFIGS = {
     "gemv-split3": (4, LinearConfig(path="gemv", split_k=3, step_bytes=16)),
     "gemm": (40, LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64)),
     "gemm-swap": (20, LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, swap=True)),
+    "gemm-word": (37, LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, swap=True, codebook=3, split_k=3)),
     "tuned-small": (2, None),
     "tuned": (33, None),
 }
