@@ -15,8 +15,9 @@ Only used while torch.compile traces (`nf4.dequantize` and `nf4.linear` check
   which would run on torch.compile's FakeTensors), so that torch.compile works on a CPU as before;
   experiments.compile_dequant also times it against them.
 - `nf4::linear`: a `triton_op` whose body launches the linear kernels with `wrap_triton`, so
-  Inductor sees the Triton kernels themselves (its dequant path dequantizes through the opaque op, so
-  that the compiled result keeps eager's bits);
+  Inductor sees the Triton kernels themselves (its dequant path is one opaque op,
+  `nf4::dequantize_matmul_opaque`: the dequantize and the cuBLAS product eager runs, so that the
+  compiled result keeps eager's bits);
   its autograd formula is the same op with `trans` flipped (dY @ W), and the bias gradient a sum
   over rows.
 """
@@ -65,6 +66,37 @@ def _dequantize_opaque(
 @_dequantize_opaque.register_fake
 def _(packed, absmax, absmax2, code2, offset, out, n, blocksize, nested, ftz) -> None:
     return None
+
+
+@torch.library.custom_op("nf4::dequantize_matmul_opaque", mutates_args=())
+def _dequantize_matmul_opaque(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    absmax2: torch.Tensor | None,
+    code2: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    k: int,
+    blocksize: int,
+    w_dtype: torch.dtype,
+    ftz: bool,
+    trans: bool,
+) -> torch.Tensor:
+    """nf4.linear's dequant path as one opaque op: the weight dequantized into a scratch tensor, then the
+    cuBLAS product eager runs (x @ W, or F.linear(x, W, bias)). Opaque, so that Inductor cannot rewrite the
+    product: its mm padding (K = 333 padded to 336) picked another cuBLAS kernel and changed the last bit
+    of 4 of 32768 gradients at M = 64 against eager (H200, tests/nf4/linear/test_gpu.py)."""
+    wt = torch.empty((n, k), dtype=w_dtype, device=x.device)
+    launch(packed, absmax, absmax2, code2, offset, wt, n * k, blocksize, absmax2 is not None, ftz)
+    wt = wt.to(x.dtype)
+    return x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
+
+
+@_dequantize_matmul_opaque.register_fake
+def _(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype, ftz, trans):
+    return x.new_empty((x.shape[0], k if trans else n))
 
 
 def _word_aligned(packed: torch.Tensor) -> bool:
@@ -188,14 +220,11 @@ def _linear(
     if config.path != "dequant":
         config = api.launch_config(config, w, x, packed, m, trans)
     if config.path == "dequant":  # the table's, or a tensor-core GEMV's fallback
-        wt = torch.empty((n, k), dtype=w_dtype, device=x.device)
-        # the opaque op, not the triton_op: with the triton_op Inductor lays the scratch weight out its own way and
-        # the compiled forward+backward at M = 64 differed from eager in the last bit of 4 of 32768 gradients
-        # (H100, tests/nf4/linear/test_gpu.py, results/linear/gpu_tests_h100_3968eae.txt)
-        torch.ops.nf4.dequantize_opaque(packed, absmax, absmax2, code2, offset, wt, n * k, blocksize,
-                                        absmax2 is not None, ftz)
-        wt = wt.to(x.dtype)
-        return x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
+        # one opaque op for the dequantize and the product: with the triton_op Inductor laid the scratch weight
+        # out its own way (H100, results/linear/gpu_tests_h100_3968eae.txt) and, with the product in the graph,
+        # padded it (see _dequantize_matmul_opaque); either changed the last bit of a few gradients against eager
+        return torch.ops.nf4.dequantize_matmul_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k,
+                                                      blocksize, w_dtype, ftz, trans)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     split, _ = api.split_k(config, w, m, trans, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None

@@ -540,3 +540,21 @@ def test_tuned_rows_for_a_weights_shape():
     assert tuned("NVIDIA H200", 1, n=8192, k=2048) is GEMV_MMA_WK4  # the H100's rows apply to the H200
     mine = GEMV_MMA_WK16.with_(programs_per_sm=4)  # a config of the caller's own is never adjusted
     assert for_shape(mine, 1, 8192, 2048) is mine
+
+
+@pytest.mark.parametrize("trans", [False, True], ids=["forward", "backward"])
+def test_dequantize_matmul_opaque_op(nf4h, lin, trans):
+    """The op nf4::linear's dequant path runs under torch.compile (nf4/ops.py): torch.library.opcheck (schema,
+    fake tensor, dispatch), and its output is eager's nf4.dequantize + cuBLAS product bit for bit."""
+    import nf4.ops  # registers the ops
+
+    n, k = 37, 128
+    packed, qs = nf4h.quantize((n, k), torch.bfloat16, 64, True, seed=nf4h.case_seed("dequant-matmul-op", trans))
+    x = lin.randn((5, n if trans else k), torch.bfloat16, 11)
+    bias = None if trans else lin.randn((n,), torch.bfloat16, 12)
+    s2 = qs.state2
+    args = (x, packed, qs.absmax, s2.absmax, s2.code, qs.offset, bias, n, k, 64, torch.bfloat16, False, trans)
+    torch.library.opcheck(torch.ops.nf4.dequantize_matmul_opaque.default, args)
+    wt = nf4.dequantize(packed, qs, ftz=False)
+    want = x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
+    assert_bitexact(torch.ops.nf4.dequantize_matmul_opaque(*args), want, name="opaque op")
