@@ -221,13 +221,14 @@ INTERPRETER: dict[str, Rows] = {"forward": ((4, GEMV), (None, GEMM)), "backward"
 ROUTE_GEMM_4BIT_MIN_M: dict[str, int] = {"H100": 128}
 
 
-# Rows of x up to which nf4.linear (the tensor-core GEMV rows above) measured faster than bitsandbytes 0.50.2's
-# `matmul_4bit` (its own choice of fused kernel or fallback) on every bench weight, per GPU: at d37c2ad,
-# results/linear/bench_{h100,h200}.json (bf16: 14336x4096, 4096x14336, 4096x4096, 8192x2048, 2048x8192, 1024x4096)
-# and bench2_* (fp16), 1.02-1.34x at M = 1 (4096x4096 the least) and 1.28-5.0x at M = 2-32, on both GPUs. Used only
-# by the opt-in fused route of a patched bitsandbytes (`nf4.patch_bitsandbytes(fused_linear=True)`), whose outputs
-# are nf4.linear's (float32 sums in another order than bitsandbytes' kernel), not bitsandbytes' bits.
-ROUTE_MATMUL_4BIT_MAX_M: dict[str, int] = {"H100": 32, "H200": 32}
+# Rows of x up to which nf4.linear (the tensor-core GEMV and word tl.dot rows above) measured faster than
+# bitsandbytes 0.50.2's `matmul_4bit` (its own choice of fused kernel or fallback) on every bench weight, per GPU: at
+# 852e210, results/linear/bench_{h100,h200}.json (bf16: 14336x4096, 4096x14336, 4096x4096, 8192x2048, 2048x8192,
+# 1024x4096) and bench2_* (fp16), 1.07-1.32x (H100) and 1.13-1.33x (H200) at M = 1, 1.5-5.2x at M = 2-32 and
+# 1.51-2.77x (H100) and 1.64-2.47x (H200) at M = 64-128. Used only by the opt-in fused route of a patched
+# bitsandbytes (`nf4.patch_bitsandbytes(fused_linear=True)`), whose outputs are nf4.linear's (float32 sums in another
+# order than bitsandbytes' kernel), not bitsandbytes' bits.
+ROUTE_MATMUL_4BIT_MAX_M: dict[str, int] = {"H100": 128, "H200": 128}
 
 _limits: dict[tuple[int, str], int] = {}
 

@@ -741,7 +741,7 @@ def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
                               state.offset if state.nested else None) is None  # outside the call
 
 
-@pytest.mark.parametrize("m", [0, 1, 32, 33, 1000])
+@pytest.mark.parametrize("m", [0, 1, 32, 33, 128, 129, 1000])
 @pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "Some Other GPU", ""])
 def test_routes_matmul_4bit_limits(device_name, m):
     """The fused route's row limit per GPU: 1 to the GPU's ROUTE_MATMUL_4BIT_MAX_M (the default GPU's for
@@ -791,7 +791,7 @@ def test_fused_route_conditions(nf4h, double_quant):
             (a, packed_fp4, state_fp4, None, None),  # FP4
             (nf4h.make_weight((4, 128), torch.bfloat16, seed + 5), packed, state_kn, None, None),  # [K, N]
             (a.float(), packed, state, None, bias.float()),  # fp32 x
-            (nf4h.make_weight((33, 128), torch.bfloat16, seed + 6), packed, state, None, bias),  # past 32 rows
+            (nf4h.make_weight((129, 128), torch.bfloat16, seed + 6), packed, state, None, bias),  # past 128 rows
             (a, packed, state, None, bias.float()),  # a float32 bias for bf16 x: nf4.linear raises, bnb decides
         ]
         for args in declined:
@@ -807,22 +807,22 @@ def test_fused_route_conditions(nf4h, double_quant):
 @pytest.mark.parametrize("compress_statistics", [True, False], ids=["dq", "nodq"])
 def test_linear4bit_cpu_fused_route(nf4h, compress_statistics):
     """A Linear4bit in the fused mode (interpreter): 1 and 15 rows go to nf4.linear (its output and input
-    gradient bit for bit, within the float32 accumulation bound of the exact product), 33 rows to
+    gradient bit for bit, within the float32 accumulation bound of the exact product), 129 rows to
     bitsandbytes (bit-identical to unpatched); a float32 compute dtype stays with bitsandbytes."""
     seed = nf4h.case_seed("bnb-fused-linear4bit", compress_statistics)
     layer = _linear4bit(nf4h, 128, 37, seed, compress_statistics=compress_statistics,
                         compute_dtype=torch.bfloat16, device="cpu")
     qs = layer.weight.quant_state
-    for i, lead in enumerate([(1,), (3, 5), (33,)]):
+    for i, lead in enumerate([(1,), (3, 5), (129,)]):
         x = nf4h.make_weight((*lead, 128), torch.bfloat16, seed + 10 + i)
         y0, g0, _ = _forward_backward(layer, x)
         reset_routed_counts()
         with nf4.patched_bitsandbytes(fused_linear=True):
             y1, g1, after_forward = _forward_backward(layer, x)
-        if lead == (33,):
+        if lead == (129,):
             assert after_forward.get((MM, "bitsandbytes")) == 1 and (MM, "nf4") not in after_forward
-            assert_bitexact(y1, y0, name="33 rows: bitsandbytes")
-            assert_bitexact(g1, g0, name="33 rows: input gradient")
+            assert_bitexact(y1, y0, name="129 rows: bitsandbytes")
+            assert_bitexact(g1, g0, name="129 rows: input gradient")
             continue
         assert after_forward == {(MM, "nf4"): 1}, after_forward
         xe = x.detach().clone().requires_grad_(True)
