@@ -64,9 +64,10 @@ GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128,
              (128, 128, 64, 4, 1, False, 2), (128, 64, 64, 4, 1, False, 2), (64, 256, 64, 8, 1, False, 2)]
 
 # The word tl.dot kernel (codebook 3: nf4_gemm_word_kernel, forward only):
-# (block_m, block_n, warps, stages, split_k, programs_per_sm); the decoded tile is tl.dot's first operand (swap: the
-# unswapped form stores it to shared memory 2 bytes at a time, offline sm_90 build); block_n is 32 rows per warp (a
-# thread decodes one row's step); split_k 0: the split nearest programs_per_sm programs per multiprocessor
+# (block_m, block_n, warps, stages, split_k, programs_per_sm); the decoded tile is tl.dot's first operand (swap; the
+# unswapped form is l42, not in this grid: Triton 3.9's offline sm_90 build stores its tile to shared memory 2 bytes
+# at a time); block_n is 32 rows per warp (a thread decodes one row's step); split_k 0: the split nearest
+# programs_per_sm programs per multiprocessor
 WORD_GRID = [(bm, 128, 4, 3, sk, 8) for bm in (16, 32, 64, 128) for sk in (1, 2, 4, 8, 16)] + [
     (bm, 128, 4, 3, 0, pps) for bm in (32, 64, 128) for pps in (2, 3, 4, 6)] + [
     (bm, 256, 8, 3, sk, 8) for bm in (64, 128) for sk in (1, 2, 4)] + [(128, 128, 4, 2, 1, 8), (128, 128, 4, 2, 2, 8)]

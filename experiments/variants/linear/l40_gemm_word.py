@@ -11,9 +11,12 @@ registers (`_word_tile`) and handed to tl.dot as its first operand (swapped: out
   launch (no split-K);
 - l41: split-K nearest 2 programs per multiprocessor, the partial sums added in order by a second
   kernel (the table's WORD_GEMM128 as it runs for M = 65-128);
-- l42: l40 unswapped (x as the first operand): Triton 3.9 stages the decoded tile for wgmma's
-  second operand with 2-byte shared-memory stores (offline sm_90 build: 64 STS per thread and step
-  against 8 swapped), which is why the table's rows are swapped.
+- l42: l40 unswapped (x as the first operand): Triton 3.9's offline sm_90 build stages the decoded
+  tile for wgmma's second operand with 2-byte shared-memory stores (64 STS per thread and step against
+  8 swapped), so the tuning grid swept the swapped form only. The GPU machines ran Triton 3.6, where an
+  earlier layout of this kernel (two threads per row, at 3075ef1: results/linear/tuning/
+  sweep_word_h100_3075ef1.json) measured 4-11 % faster unswapped than swapped at M = 128-1024 on
+  4096x4096 (128x128 tile, 2 stages); this variant is how to measure it at the current layout.
 
 Where nf4.linear would not launch nf4_gemm_word_kernel (`nf4.linear.api.word_gemm_ok`: W dtype !=
 x dtype, packed bytes not 4-byte aligned, blocksize under 32, a GPU before sm_80 or the meta device),
