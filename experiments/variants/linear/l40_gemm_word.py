@@ -16,7 +16,9 @@ registers (`_word_tile`) and handed to tl.dot as its first operand (swapped: out
   8 swapped), so the tuning grid swept the swapped form only. The GPU machines ran Triton 3.6, where an
   earlier layout of this kernel (two threads per row, at 3075ef1: results/linear/tuning/
   sweep_word_h100_3075ef1.json) measured 4-11 % faster unswapped than swapped at M = 128-1024 on
-  4096x4096 (128x128 tile, 2 stages); this variant is how to measure it at the current layout.
+  4096x4096 (128x128 tile, 2 stages); at this layout unswapped took 0.96-1.07x the swapped tile's
+  time at M = 64-512 on 14336x4096, 4096x14336 and 4096x4096 (H100 at cd93f7f, results/linear/tuning/
+  sweep_word_plain_h100.json), so the table stays swapped.
 
 Where nf4.linear would not launch nf4_gemm_word_kernel (`nf4.linear.api.word_gemm_ok`: W dtype !=
 x dtype, packed bytes not 4-byte aligned, blocksize under 32, a GPU before sm_80 or the meta device),
