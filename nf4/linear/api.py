@@ -254,14 +254,7 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
                     del args[name]
                 args["HALF"] = min(half, 32)
         grid = (triton.cdiv(w.N, config.block_r) * split,)
-        if split == 1:
-            return [(kernel, grid, args, options)]
-        args.update(out_ptr=part, HAS_BIAS=False)
-        sum_args = {"part_ptr": part, "bias_ptr": args["bias_ptr"], "out_ptr": out, "MN": m * w.N, "N": w.N,
-                    "SPLIT": split, "HAS_BIAS": bias is not None, "X_DT": _DT[x.dtype],
-                    "BF16_BITS": args["BF16_BITS"], "BLOCK": SUM_BLOCK}
-        return [(kernel, grid, args, options),
-                (nf4_split_sum_kernel, (triton.cdiv(m * w.N, SUM_BLOCK),), sum_args, {"num_warps": 4})]
+        return _with_split_sum((kernel, grid, args, options), split, part, out, bias, m, w.N)
     if word_gemm(config, trans):
         split, seg = split_k(config, w, m, trans, x.device)
         for name in ("CODEBOOK", "W_DT", "TRANS"):
@@ -271,14 +264,7 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
                     DOT_F32=interpreting)
         grid = (split * triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n),)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        if split == 1:
-            return [(nf4_gemm_word_kernel, grid, args, options)]
-        args.update(out_ptr=part, HAS_BIAS=False)
-        sum_args = {"part_ptr": part, "bias_ptr": args["bias_ptr"], "out_ptr": out, "MN": m * w.N, "N": w.N,
-                    "SPLIT": split, "HAS_BIAS": bias is not None, "X_DT": _DT[x.dtype],
-                    "BF16_BITS": args["BF16_BITS"], "BLOCK": SUM_BLOCK}
-        return [(nf4_gemm_word_kernel, grid, args, options),
-                (nf4_split_sum_kernel, (triton.cdiv(m * w.N, SUM_BLOCK),), sum_args, {"num_warps": 4})]
+        return _with_split_sum((nf4_gemm_word_kernel, grid, args, options), split, part, out, bias, m, w.N)
     block_k = min(w.blocksize, config.block_k)  # one absmax block per row and step
     args.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP=config.group,
                 SWAP=config.swap and not trans, DOT_F32=interpreting, PERSIST=config.persistent > 0)
@@ -293,6 +279,20 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
 
 
 SUM_BLOCK = 128  # one output per thread of 4 warps: the split sum is a few loads deep, spread wide
+
+
+def _with_split_sum(launch: tuple, split: int, part, out, bias, m: int, n: int) -> list[tuple]:
+    """A forward launch as is (split 1), or writing float32 partial sums [split, m, n] into `part` followed by
+    nf4_split_sum_kernel, which adds them in split order, adds the bias and rounds once into `out`."""
+    kernel, grid, args, options = launch
+    if split == 1:
+        return [launch]
+    sum_args = {"part_ptr": part, "bias_ptr": args["bias_ptr"], "out_ptr": out, "MN": m * n, "N": n, "SPLIT": split,
+                "HAS_BIAS": bias is not None, "X_DT": args["X_DT"], "BF16_BITS": args["BF16_BITS"],
+                "BLOCK": SUM_BLOCK}
+    args.update(out_ptr=part, HAS_BIAS=False)
+    return [(kernel, grid, args, options),
+            (nf4_split_sum_kernel, (triton.cdiv(m * n, SUM_BLOCK),), sum_args, {"num_warps": 4})]
 
 
 TABLE_MAX_M = 4  # rows of x the word GEMV (codebook 3, nf4_gemv_table_kernel) takes
