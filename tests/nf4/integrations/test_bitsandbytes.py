@@ -729,7 +729,7 @@ def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
             return "original"
 
         route = route_matmul_4bit(original, device_name=lambda index: "NVIDIA H100 80GB HBM3")
-        a = nf4h.make_weight((40, 128), torch.bfloat16, 5)  # 40 rows: past the fused route, to the original
+        a = nf4h.make_weight((129, 128), torch.bfloat16, 5)  # 129 rows: past the fused route, to the original
         for fused in (False, True):
             seen.clear()
             with nf4.patched_bitsandbytes(fused_linear=fused):
