@@ -88,10 +88,11 @@ def _dequantize_matmul_opaque(
     cuBLAS product eager runs (x @ W, or F.linear(x, W, bias)). Opaque, so that Inductor cannot rewrite the
     product: its mm padding (K = 333 padded to 336) picked another cuBLAS kernel and changed the last bit
     of 4 of 32768 gradients at M = 64 against eager (H200, tests/nf4/linear/test_gpu.py)."""
+    from .linear.api import dense_product
+
     wt = torch.empty((n, k), dtype=w_dtype, device=x.device)
     launch(packed, absmax, absmax2, code2, offset, wt, n * k, blocksize, absmax2 is not None, ftz)
-    wt = wt.to(x.dtype)
-    return x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
+    return dense_product(x, wt, bias, trans)
 
 
 @_dequantize_matmul_opaque.register_fake

@@ -137,16 +137,22 @@ def forget(quant_state) -> None:
 
 
 def split_k(config: LinearConfig, w: _Weight, m: int, trans: bool, device) -> tuple[int, int]:
-    """(programs along K, bytes of a row each) for the GEMV forward; (1, K / 2) for everything else."""
+    """(programs along K, bytes of a row each) for the GEMV forward and the word tl.dot kernel (1 in the
+    interpreter where auto); (1, K / 2) for everything else."""
     kb = w.K // 2
-    if word_gemm(config, trans):
-        return gemm_split(config, w, m, device)
-    if config.path != "gemv" or trans:
+    word = word_gemm(config, trans)
+    if not word and (config.path != "gemv" or trans):
         return 1, kb
-    unit = gemv_step(config, w)
+    unit = gemm_block_k(config, w) // 2 if word else gemv_step(config, w)
     steps = triton.cdiv(kb, unit)
     split = config.split_k
-    if split == 0:  # auto: the fewest steps per program over waves of programs_per_sm per multiprocessor
+    if split == 0 and word:  # the split nearest programs_per_sm programs per multiprocessor, >= 4 steps each
+        split = 1
+        if not runtime.interpreting(device) and device.type == "cuda":
+            tiles = triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n)
+            want = config.programs_per_sm * runtime.sm_count(device)
+            split = max(1, min((want + tiles // 2) // tiles, steps // 4))
+    elif split == 0:  # auto: the fewest steps per program over waves of programs_per_sm per multiprocessor
         if runtime.interpreting(device):
             split = 1
         else:
@@ -166,25 +172,6 @@ def word_gemm(config: LinearConfig, trans: bool) -> bool:
 def gemm_block_k(config: LinearConfig, w: _Weight) -> int:
     """Weights of a row per step of the word tl.dot kernel: 64 or 32, at most the blocksize."""
     return min(64, config.block_k, w.blocksize)
-
-
-def gemm_split(config: LinearConfig, w: _Weight, m: int, device) -> tuple[int, int]:
-    """(programs along K, bytes of a row each) of the word tl.dot kernel: config.split_k, or (0) the split nearest
-    to programs_per_sm programs per multiprocessor over the output tiles, at least 4 steps each; 1 in the
-    interpreter."""
-    kb = w.K // 2
-    unit = gemm_block_k(config, w) // 2
-    steps = kb // unit
-    split = config.split_k
-    if split == 0:
-        split = 1
-        if not runtime.interpreting(device) and device.type == "cuda":
-            tiles = triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n)
-            want = config.programs_per_sm * runtime.sm_count(device)
-            split = max(1, min((want + tiles // 2) // tiles, steps // 4))
-    split = max(1, min(split, steps))
-    seg = triton.cdiv(steps, split) * unit
-    return triton.cdiv(kb, seg), seg
 
 
 def gemv_step(config: LinearConfig, w: _Weight) -> int:
@@ -362,7 +349,7 @@ def launch_config(config: LinearConfig, w: _Weight, x: torch.Tensor, packed: tor
     word GEMV cannot run (`table_ok`) become their tuned fallback (config.fallback), else the same shape
     without mma (block_r 16 * num_warps) or with codebook 0. Callers pass the result to both `split_k` and
     `kernel_args`; x is the (M, K) operand the kernels read."""
-    if config.path == "gemm" and config.codebook == 3 and not trans and not word_gemm_ok(w, x.dtype, packed):
+    if word_gemm(config, trans) and not word_gemm_ok(w, x.dtype, packed):
         return fallback(config, m) or config.with_(codebook=0)
     if config.path == "gemv" and config.codebook == 3 and not trans:
         half = min(w.blocksize // 2, config.step_bytes)
@@ -488,8 +475,14 @@ def _run_plan(plan, x2, packed, bias, m: int, n_out: int, device_index: int, out
 
 def _dequant_run(x2, packed, w: _Weight, bias, trans: bool, ftz: bool) -> torch.Tensor:
     """nf4.dequantize into a scratch weight, then cuBLAS (the table's dequant path)."""
-    wt = _dequantize(packed, _qs_of(w, packed), ftz=ftz).to(x2.dtype)
-    return x2 @ wt if trans else torch.nn.functional.linear(x2, wt, bias)
+    return dense_product(x2, _dequantize(packed, _qs_of(w, packed), ftz=ftz), bias, trans)
+
+
+def dense_product(x, wt, bias, trans: bool) -> torch.Tensor:
+    """The cuBLAS product of the dequant path on the dequantized weight wt [N, K] converted to x's dtype: x @ W
+    (trans) or F.linear(x, W, bias); nf4.ops' opaque op runs this same call under torch.compile."""
+    wt = wt.to(x.dtype)
+    return x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
 
 
 def _qs_of(w: _Weight, packed):
@@ -527,7 +520,7 @@ class _LinearFn(torch.autograd.Function):
                 grad_x = run(g, ctx.packed, ctx.w, None, trans=True, config=None, ftz=ctx.ftz)
             else:
                 wt = _dequantize(ctx.packed, _qs_of(ctx.w, ctx.packed), ftz=ctx.ftz)
-                grad_x = g @ wt.to(g.dtype)
+                grad_x = dense_product(g, wt, None, True)
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_x, grad_bias, None, None, None, None

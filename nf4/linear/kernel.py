@@ -631,6 +631,16 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _grouped(pid, n_m, n_o, GROUP: tl.constexpr):
+    """(tile along M, tile along the output dimension) of program `pid` in the tl.dot kernels' order: GROUP tiles
+    along M for each output tile, so the programs that share a decoded W tile run together."""
+    per_group = GROUP * n_o
+    first_m = (pid // per_group) * GROUP
+    size = tl.minimum(n_m - first_m, GROUP)
+    return first_m + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
 def _gemm_tile(pid, x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, bias_ptr, out_ptr,
                M, N, K, KB, BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr,
                ASM: tl.constexpr, CODEBOOK: tl.constexpr, W_DT: tl.constexpr, X_DT: tl.constexpr,
@@ -640,19 +650,11 @@ def _gemm_tile(pid, x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offse
     """Output tile `pid` (in the program order below) of nf4_gemm_kernel, whose parameters these are."""
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     HALF: tl.constexpr = BLOCK_K // 2
-    n_m = tl.cdiv(M, BLOCK_M)
-    # program order: GROUP tiles along M for each tile of W's output dimension, so the programs
-    # that share a decoded W tile run together
     if not TRANS:
         n_o = tl.cdiv(N, BLOCK_N)
     else:
         n_o = tl.cdiv(KB, HALF)
-    per_group = GROUP * n_o
-    group = pid // per_group
-    first_m = group * GROUP
-    size = tl.minimum(n_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % size
-    pid_o = (pid % per_group) // size
+    pid_m, pid_o = _grouped(pid, tl.cdiv(M, BLOCK_M), n_o, GROUP)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     if not TRANS:
@@ -792,14 +794,7 @@ def nf4_gemm_word_kernel(
     KW = KB // 4
     pid = tl.program_id(0)
     pid_k = pid % SPLIT
-    pid = pid // SPLIT
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * n_n
-    first_m = (pid // per_group) * GROUP
-    size = tl.minimum(n_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % size
-    pid_n = (pid % per_group) // size
+    pid_m, pid_n = _grouped(pid // SPLIT, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     r = tl.minimum(rows, N - 1)  # rows past the weight decode its last row (not stored)
