@@ -71,6 +71,11 @@ GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128,
 WORD_GRID = [(bm, 128, 4, 3, sk, 8) for bm in (16, 32, 64, 128) for sk in (1, 2, 4, 8, 16)] + [
     (bm, 128, 4, 3, 0, pps) for bm in (32, 64, 128) for pps in (2, 3, 4, 6)] + [
     (bm, 256, 8, 3, sk, 8) for bm in (64, 128) for sk in (1, 2, 4)] + [(128, 128, 4, 2, 1, 8), (128, 128, 4, 2, 2, 8)]
+# two threads per row of a 128-row tile (8 warps), and 256 rows of x per W tile (its decode shared by twice the rows)
+WORD_GRID += [
+    (bm, 128, 8, 3, sk, 8) for bm in (64, 128, 256) for sk in (1, 2, 4)] + [
+    (256, 64, 4, 3, sk, 8) for sk in (1, 2, 4)] + [(256, 128, 8, 3, 0, pps) for pps in (1, 2)] + [
+    (256, 64, 4, 3, 0, pps) for pps in (2, 3)]
 
 
 def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
@@ -96,6 +101,7 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
         out += [LinearConfig(path="gemm", codebook=3, block_m=bm, block_n=bn, block_k=64, num_warps=w, num_stages=st,
                              swap=True, split_k=sk, programs_per_sm=pps) for bm, bn, w, st, sk, pps in WORD_GRID
                 if bm <= top and (m <= 64 or bm >= 64) and (m <= 128 or sk <= 2)]
+        out.append(LinearConfig(path="dequant"))  # nf4.dequantize + cuBLAS, what the fused tiles must beat
     return out
 
 
@@ -397,7 +403,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="only nf4's sweep rows (tuning runs)")
     ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "mma", "gemm"],
                     help="config families to sweep (gemv, mma: the tensor-core GEMV, mma-wk: its warps splitting K, "
-                         "gemm, wgemm: the word tl.dot kernel)")
+                         "gemm, wgemm: the word tl.dot kernel, dequant: nf4.dequantize + cuBLAS)")
     ap.add_argument("--out", default=os.path.join("build", "linear", "bench.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

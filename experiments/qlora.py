@@ -73,13 +73,17 @@ QUICK_DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads
 QUICK = {"layers": 1, "vocab": 1024, "shapes": ["1x32"], "steps": 2, "decode_tokens": 8}
 WARMUP = 3
 PROMPT_TOKENS = 16
-MODES = ("bnb", "nf4", "nf4_fused", "unsloth")
+MODES = ("bnb", "nf4", "nf4_fused", "unsloth", "no_matmul")
 MODE_TEXT = {
     "bnb": "bitsandbytes alone",
     "nf4": "nf4.patched_bitsandbytes(): bitsandbytes' NF4 dequantization through nf4 (bit-identical)",
-    "nf4_fused": "nf4.patched_bitsandbytes(fused_linear=True): also matmul_4bit of 1-32 rows to nf4.linear",
+    "nf4_fused": "nf4.patched_bitsandbytes(fused_linear=True): also matmul_4bit of 1-{max_m} rows to nf4.linear",
     "unsloth": "Unsloth 2026.10.9's Linear4bit override (unsloth/kernels/bnb_override.py), forced on",
+    "no_matmul": "a bound, not an implementation: bitsandbytes' matmul_4bit replaced by an op that allocates its "
+                 "output (and in the backward its input's gradient) and launches no kernel; its step time is what any "
+                 "4-bit linear kernel, at zero device time, would leave (outputs are not compared)",
 }
+BOUNDS = ("no_matmul",)  # modes that time a bound: their outputs are garbage, never compared with bitsandbytes'
 DECODE_ONLY = ("nf4_fused",)  # its route takes 1-32 rows: a train step's matmuls have batch x seq rows
 NONDETERMINISM_NOTE = (
     "bitsandbytes alone gave different losses or LoRA gradients for identical inputs, so bit-identity of nf4 with it "
@@ -219,7 +223,8 @@ def table(payload: dict) -> str:
         lines += ["", "| train step, other modes | mode | ms | speedup over bnb | bit-exact | calls/step |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {shape} | {mode} | {st['median_ms']:.2f} | {st['speedup']:.3f}x | "
-                  f"{_yes(st['bitexact_vs_bnb'])} | {sum(st['routed'].values())} |" for shape, mode, st in others]
+                  f"{'bound' if st.get('bound') else _yes(st['bitexact_vs_bnb'])} | {sum(st['routed'].values())} |"
+                  for shape, mode, st in others]
     for d in payload.get("decode", []):
         if "error" in d:
             lines.append(f"\n| decode | error: {d['error'][:60]} |\n|---|---|")
@@ -232,8 +237,8 @@ def table(payload: dict) -> str:
         if extra:
             lines += ["", "| decode, other modes | tok/s | speedup over bnb | same tokens as bnb |",
                       "|---|---|---|---|"]
-            lines += [f"| {mode} | {st['tok_s']:.1f} | {st['speedup']:.3f}x | {_yes(st['tokens_identical'])} |"
-                      for mode, st in extra.items()]
+            lines += [f"| {mode} | {st['tok_s']:.1f} | {st['speedup']:.3f}x | "
+                      f"{'bound' if st.get('bound') else _yes(st['tokens_identical'])} |" for mode, st in extra.items()]
     return "\n".join(lines)
 
 
@@ -350,7 +355,10 @@ def _mode_stats(mode: str, res: dict, routed: dict) -> dict:
     t = summarize_ms(res[mode]["times"])
     stats = {"ms": t, "median_ms": t["median_ms"], "speedup": res["bnb"]["median"] / t["median_ms"],
              "routed": routed.get(mode, {})}
-    stats.update(compare(res["bnb"]["records"], res[mode]["records"]))
+    if mode in BOUNDS:
+        stats.update(bitexact_vs_bnb=None, bound=True)
+    else:
+        stats.update(compare(res["bnb"]["records"], res[mode]["records"]))
     return stats
 
 
@@ -456,6 +464,8 @@ def decode_row(model, *, modes: dict, vocab: int, seed: int, tokens: int, reps: 
                         "prefill_ms": statistics.median(r[0] * 1e3 for r in res[mode]["records"]),
                         "tokens_identical": len(ids["bnb"] | ids[mode]) == 1, "deterministic": len(ids[mode]) == 1,
                         "first_tokens": list(next(iter(ids[mode])))[:16], "routed": routed.get(mode, {})}
+        if mode in BOUNDS:
+            others[mode].update(tokens_identical=None, deterministic=None, first_tokens=[], bound=True)
     return {"prompt_tokens": PROMPT_TOKENS, "decode_tokens": tokens, "reps": reps, "bnb_tok_s": tok_s["bnb"],
             "nf4_tok_s": tok_s["nf4"], "speedup": tok_s["nf4"] / tok_s["bnb"],
             "bnb_decode_ms": summarize_ms(res["bnb"]["times"]), "nf4_decode_ms": summarize_ms(res["nf4"]["times"]),
@@ -489,6 +499,8 @@ def mode_contexts(names, unsloth_load=None) -> tuple[dict, dict]:
     contexts, skipped = {"bnb": contextlib.nullcontext, "nf4": nf4.patched_bitsandbytes}, {}
     if "nf4_fused" in names:
         contexts["nf4_fused"] = lambda: nf4.patched_bitsandbytes(fused_linear=True)
+    if "no_matmul" in names:
+        contexts["no_matmul"] = no_matmul_context
     if "unsloth" in names:
         factory, why = unsloth_context(unsloth_load)
         if factory is None:
@@ -540,6 +552,64 @@ def unsloth_context(load=None, counts=None):
                 override.uninstall()
 
     return context, None
+
+
+@contextlib.contextmanager
+def no_matmul_context(counts=None):
+    """The no_matmul bound: `bitsandbytes.matmul_4bit` (what Linear4bit.forward calls, looked up at call time)
+    replaced by `no_matmul_4bit`, calls counted in `counts` (default _peer_counts); the original put back on exit."""
+    import bitsandbytes
+    import bitsandbytes.autograd._functions as functions
+
+    counts = _peer_counts if counts is None else counts
+    original = bitsandbytes.matmul_4bit
+
+    def matmul_4bit(A, B, quant_state, out=None, bias=None):
+        key = ("matmul_4bit", "no_matmul")
+        counts[key] = counts.get(key, 0) + 1
+        return no_matmul_4bit(A, quant_state.shape[0], bias)
+
+    bitsandbytes.matmul_4bit = functions.matmul_4bit = matmul_4bit
+    try:
+        yield
+    finally:
+        bitsandbytes.matmul_4bit = functions.matmul_4bit = original
+
+
+def no_matmul_4bit(A, n: int, bias=None):
+    """A tensor shaped like A @ W^T for a weight of n rows, allocated and never written (no kernel); differentiable
+    in A, whose gradient is likewise allocated and never written. bias, if any, is added (a bound on Llama's
+    bias-free layers launches nothing for it)."""
+    if not _NO_MATMUL:  # built at first use: this module imports torch lazily
+        _NO_MATMUL.append(_no_matmul_fn())
+    out = _NO_MATMUL[0].apply(A, n)
+    return out if bias is None else out + bias
+
+
+def _no_matmul_fn():
+    import torch
+
+    class NoMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, A, n):
+            ctx.k = A.shape[-1]
+            return A.new_empty((*A.shape[:-1], n))
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.new_empty((*grad.shape[:-1], ctx.k)), None
+
+    return NoMatmul
+
+
+_NO_MATMUL: list = []
+
+
+def mode_text(mode: str, device_name: str) -> str:
+    """MODE_TEXT[mode], the fused route's row limit on this GPU filled in."""
+    from nf4.linear.config import matmul_4bit_route_max_m
+
+    return MODE_TEXT[mode].format(max_m=matmul_4bit_route_max_m(device_name))
 
 
 def torch_compiling() -> bool:
@@ -623,7 +693,7 @@ def main(argv=None) -> int:
     params = {n: p for n, p in sorted(model.named_parameters()) if p.requires_grad}
     if not params or not all("lora_" in n for n in params):
         raise RuntimeError(f"unexpected trainable parameters: {list(params)[:5]}")
-    payload = {"env": env, "unsloth": unsloth, "modes": {m: MODE_TEXT[m] for m in modes}, "config": {
+    payload = {"env": env, "unsloth": unsloth, "modes": {m: mode_text(m, env["device"]) for m in modes}, "config": {
         **args.dims, "num_hidden_layers": args.layers, "vocab_size": args.vocab, "dtype": "bfloat16",
         "attn_implementation": getattr(config, "_attn_implementation", args.attn),
         "quantization": "bitsandbytes Linear4bit nf4, double quant (compress_statistics), blocksize 64, compute bf16; "

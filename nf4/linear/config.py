@@ -243,10 +243,16 @@ def _gpu_limit(table: dict[str, int], device_name: str) -> int:
     return limit
 
 
+def matmul_4bit_route_max_m(device_name: str) -> int:
+    """The most rows of a matmul_4bit call that the fused route of a patched bitsandbytes sends to nf4.linear on
+    this GPU ("" for Triton's interpreter: the default GPU's limit)."""
+    return _gpu_limit(ROUTE_MATMUL_4BIT_MAX_M, device_name)
+
+
 def routes_matmul_4bit(device_name: str, m: int) -> bool:
     """Whether the fused route of a patched bitsandbytes sends a matmul_4bit of m rows to nf4.linear on this GPU
     ("" for Triton's interpreter: the default GPU's limit)."""
-    return 1 <= m <= _gpu_limit(ROUTE_MATMUL_4BIT_MAX_M, device_name)
+    return 1 <= m <= matmul_4bit_route_max_m(device_name)
 
 
 def routes_gemm_4bit(device_name: str, m: int) -> bool:

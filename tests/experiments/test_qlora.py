@@ -274,3 +274,60 @@ def test_unsloth_context_counts_and_restores():
         with context():
             raise KeyError("inside")
     assert override.events[-1] == ("uninstall",) and "fast_gemv" not in vars(release)
+
+
+def test_no_matmul_context_patches_counts_and_restores():
+    """The no_matmul bound replaces bitsandbytes.matmul_4bit (both names Linear4bit and bitsandbytes' autograd
+    module bind) while active, counts its calls, returns the product's shape and dtype with a gradient of x's
+    shape, and puts the original objects back, after an exception too."""
+    bitsandbytes = pytest.importorskip("bitsandbytes")
+    import bitsandbytes.autograd._functions as functions
+
+    original = bitsandbytes.matmul_4bit
+    counts = {}
+
+    class State:
+        shape = (7, 5)
+
+    x = torch.randn(3, 2, 5, dtype=torch.bfloat16, requires_grad=True)
+    with qlora.no_matmul_context(counts):
+        assert bitsandbytes.matmul_4bit is not original and functions.matmul_4bit is bitsandbytes.matmul_4bit
+        y = bitsandbytes.matmul_4bit(x, None, State())
+        bias = torch.ones(7, dtype=torch.bfloat16)
+        yb = bitsandbytes.matmul_4bit(x.detach(), None, State(), bias=bias)
+    assert bitsandbytes.matmul_4bit is original and functions.matmul_4bit is original
+    assert counts == {("matmul_4bit", "no_matmul"): 2}
+    assert y.shape == (3, 2, 7) and y.dtype == torch.bfloat16 and yb.shape == (3, 2, 7)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
+    with pytest.raises(RuntimeError, match="boom"), qlora.no_matmul_context({}):
+        raise RuntimeError("boom")
+    assert bitsandbytes.matmul_4bit is original and functions.matmul_4bit is original
+
+
+def test_no_matmul_mode_is_a_bound():
+    """The bound's stats carry no exactness claim (its outputs are uninitialized memory) and the tables say so."""
+    res = {"bnb": {"times": [10.0, 12.0], "records": [(7, "d")] * 4, "median": 11.0},
+           "no_matmul": {"times": [9.0, 10.0], "records": [(1, "x"), (2, "y")]}}
+    st = qlora._mode_stats("no_matmul", res, {})
+    assert st["bound"] is True and st["bitexact_vs_bnb"] is None and st["median_ms"] == 9.5
+    payload = {"rows": [{"shape": "1x512", "bnb": {"median_ms": 11.0}, "nf4": {"median_ms": 11.0}, "speedup": 1.0,
+                         "bitexact_vs_bnb": True, "bnb_deterministic": True, "routed": {},
+                         "modes": {"no_matmul": {**st, "routed": {"matmul_4bit/no_matmul": 14}}}}],
+               "decode": [{"prompt_tokens": 16, "decode_tokens": 200, "bnb_tok_s": 50.0, "nf4_tok_s": 51.0,
+                           "speedup": 1.02, "tokens_identical": True,
+                           "modes": {"no_matmul": {"tok_s": 70.0, "speedup": 1.4, "tokens_identical": None,
+                                                   "bound": True}}}]}
+    lines = qlora.table(payload).splitlines()
+    assert "| 1x512 | no_matmul | 9.50 | 1.158x | bound | 14 |" in lines
+    assert "| no_matmul | 70.0 | 1.400x | bound |" in lines
+    contexts, _ = qlora.mode_contexts(["no_matmul"])
+    assert list(contexts) == ["bnb", "nf4", "no_matmul"]
+
+
+def test_mode_text_names_the_route_limit():
+    from nf4.linear.config import matmul_4bit_route_max_m
+
+    limit = matmul_4bit_route_max_m("NVIDIA H100 80GB HBM3")
+    assert f"1-{limit} rows" in qlora.mode_text("nf4_fused", "NVIDIA H100 80GB HBM3")
+    assert qlora.mode_text("bnb", "") == qlora.MODE_TEXT["bnb"]
