@@ -26,8 +26,12 @@ Modes (--modes; each is a context the same model runs in, interleaved with the o
   A B C, B C A, C A B, ..., so drift reaches all and no mode always follows the same one):
   bnb        bitsandbytes alone;
   nf4        inside `nf4.patched_bitsandbytes()`: bitsandbytes' NF4 dequantization through nf4 (bit-identical);
-  nf4_fused  inside `nf4.patched_bitsandbytes(fused_linear=True)`: also `matmul_4bit` of 1-32 rows to nf4.linear
-             (not bit-identical to bitsandbytes); decode only, as a train step's 4-bit matmuls have more rows;
+  nf4_fused  inside `nf4.patched_bitsandbytes(fused_linear=True)`: also `matmul_4bit` up to the GPU's route limit
+             (nf4.linear.config.ROUTE_MATMUL_4BIT_MAX_M) to nf4.linear, in training too (not bit-identical to
+             bitsandbytes where nf4.linear runs a fused kernel: M <= 128);
+  no_matmul  a bound, not an implementation: `matmul_4bit` replaced by an op that allocates its output (and its
+             input's gradient) and launches no kernel, so its time is what the step would take with a 4-bit linear
+             of zero device time; its outputs are garbage and never compared;
   unsloth    Unsloth 2026.10.9's own Linear4bit override, the released `unsloth/kernels/bnb_override.py` run from
              the wheel's files (verify.unsloth_release: its kernels are the release's, the few lines of utils.py
              plumbing it calls are our re-statement), forced on as UNSLOTH_BNB_NF4_LINEAR=1 does: the release
@@ -84,7 +88,6 @@ MODE_TEXT = {
                  "4-bit linear kernel, at zero device time, would leave (outputs are not compared)",
 }
 BOUNDS = ("no_matmul",)  # modes that time a bound: their outputs are garbage, never compared with bitsandbytes'
-DECODE_ONLY = ("nf4_fused",)  # its route takes 1-32 rows: a train step's matmuls have batch x seq rows
 NONDETERMINISM_NOTE = (
     "bitsandbytes alone gave different losses or LoRA gradients for identical inputs, so bit-identity of nf4 with it "
     "is not claimed. Likely non-deterministic ops: atomics in the attention backward (SDPA's flash / "
@@ -687,7 +690,6 @@ def main(argv=None) -> int:
     elif "unsloth" not in args.modes:
         unsloth["skipped"] = "not asked (--modes)"
     print(f"modes: {', '.join(modes)}" + (f"; skipped: {skipped}" if skipped else ""), flush=True)
-    train_modes = {m: f for m, f in modes.items() if m not in DECODE_ONLY}
     model, config, info = build_model(args.dims, layers=args.layers, vocab=args.vocab, seed=args.seed,
                                       attn=args.attn, device=device)
     params = {n: p for n, p in sorted(model.named_parameters()) if p.requires_grad}
@@ -705,7 +707,7 @@ def main(argv=None) -> int:
     timer = _Timer(device)
     for batch, seq in args.shape_list:
         try:
-            row = train_shape(model, params, batch, seq, modes=train_modes, vocab=args.vocab, seed=args.seed,
+            row = train_shape(model, params, batch, seq, modes=modes, vocab=args.vocab, seed=args.seed,
                               steps=args.steps, timer=timer, device=device)
         except Exception as exc:  # an OOM on the largest shape must not lose the others
             row = {"shape": f"{batch}x{seq}", "error": f"{type(exc).__name__}: {exc}"[:500]}

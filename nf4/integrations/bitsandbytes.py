@@ -46,8 +46,8 @@ What is patched (bitsandbytes 0.50.2), and why:
 * Opt-in, `patch_bitsandbytes(fused_linear=True)`: also routes `bitsandbytes.matmul_4bit` itself. A call
   with an NF4 QuantState in [N, K] orientation, fp16 or bf16 x of M rows on a CUDA GPU (or the CPU with
   the interpreter), M within the GPU's measured limit (`nf4.linear.config.routes_matmul_4bit`: the rows
-  where nf4.linear's tensor-core GEMV and word tl.dot kernel measured faster than bitsandbytes' own choice,
-  up to 128 on the H100 and H200), goes to `nf4.linear(A, B, quant_state, bias)`, differentiable in x and bias as
+  where nf4.linear measured faster than bitsandbytes' own choice: up to 4096, the most measured, on the H100
+  and H200), goes to `nf4.linear(A, B, quant_state, bias)`, differentiable in x and bias as
   MatMul4Bit is. This is not bit-identical to bitsandbytes: its fused kernel sums in its own order
   (and is not operand-exact for a few rows, docs/FORMAT.md), nf4.linear in the tensor cores' order, both
   in float32 on the same bf16/fp16 weights; so it is off unless asked for. Every other call, and every

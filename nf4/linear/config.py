@@ -221,14 +221,16 @@ INTERPRETER: dict[str, Rows] = {"forward": ((4, GEMV), (None, GEMM)), "backward"
 ROUTE_GEMM_4BIT_MIN_M: dict[str, int] = {"H100": 128}
 
 
-# Rows of x up to which nf4.linear (the tensor-core GEMV and word tl.dot rows above) measured faster than
-# bitsandbytes 0.50.2's `matmul_4bit` (its own choice of fused kernel or fallback) on every bench weight, per GPU: at
-# 852e210, results/linear/bench_{h100,h200}.json (bf16: 14336x4096, 4096x14336, 4096x4096, 8192x2048, 2048x8192,
-# 1024x4096) and bench2_* (fp16), 1.07-1.32x (H100) and 1.13-1.33x (H200) at M = 1, 1.5-5.2x at M = 2-32 and
-# 1.51-2.77x (H100) and 1.64-2.47x (H200) at M = 64-128. Used only by the opt-in fused route of a patched
-# bitsandbytes (`nf4.patch_bitsandbytes(fused_linear=True)`), whose outputs are nf4.linear's (float32 sums in another
-# order than bitsandbytes' kernel), not bitsandbytes' bits.
-ROUTE_MATMUL_4BIT_MAX_M: dict[str, int] = {"H100": 128, "H200": 128}
+# Rows of x up to which nf4.linear (this table's rows) measured faster than bitsandbytes 0.50.2's `matmul_4bit` (its
+# own choice of fused kernel or fallback) on every bench weight, per GPU: at 852e210, results/linear/bench_{h100,
+# h200}.json (bf16: 14336x4096, 4096x14336, 4096x4096, 8192x2048, 2048x8192, 1024x4096, M = 1-4096) and bench2_*
+# (fp16, M = 1-1024): the smallest ratio per M was 1.07 / 1.14 (H100 / H200) at M = 1, 1.5-2.5 at M = 2-128, 1.17 /
+# 1.31 at M = 256-512 and 1.05 / 1.04 at M = 4096, the largest M measured. Past 128 rows both run a dequantize and
+# cuBLAS (nf4.linear's DEQUANT row; bitsandbytes' fallback, the only path it takes past 1536 rows), where nf4 pays
+# less host time per call (bench host_us at M = 512). Used only by the opt-in fused route of a patched bitsandbytes
+# (`nf4.patch_bitsandbytes(fused_linear=True)`), whose outputs are nf4.linear's: float32 sums in another order than
+# bitsandbytes' fused kernel where nf4.linear runs a fused kernel (M <= 128), not bitsandbytes' bits.
+ROUTE_MATMUL_4BIT_MAX_M: dict[str, int] = {"H100": 4096, "H200": 4096}
 
 _limits: dict[tuple[int, str], int] = {}
 

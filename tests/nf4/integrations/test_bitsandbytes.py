@@ -729,7 +729,7 @@ def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
             return "original"
 
         route = route_matmul_4bit(original, device_name=lambda index: "NVIDIA H100 80GB HBM3")
-        a = nf4h.make_weight((129, 128), torch.bfloat16, 5)  # 129 rows: past the fused route, to the original
+        a = nf4h.make_weight((4097, 128), torch.bfloat16, 5)  # past the fused route's rows, to the original
         for fused in (False, True):
             seen.clear()
             with nf4.patched_bitsandbytes(fused_linear=fused):
@@ -741,7 +741,7 @@ def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
                               state.offset if state.nested else None) is None  # outside the call
 
 
-@pytest.mark.parametrize("m", [0, 1, 32, 33, 128, 129, 1000])
+@pytest.mark.parametrize("m", [0, 1, 32, 33, 128, 129, 1000, 4096, 4097])
 @pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "Some Other GPU", ""])
 def test_routes_matmul_4bit_limits(device_name, m):
     """The fused route's row limit per GPU: 1 to the GPU's ROUTE_MATMUL_4BIT_MAX_M (the default GPU's for
@@ -791,7 +791,7 @@ def test_fused_route_conditions(nf4h, double_quant):
             (a, packed_fp4, state_fp4, None, None),  # FP4
             (nf4h.make_weight((4, 128), torch.bfloat16, seed + 5), packed, state_kn, None, None),  # [K, N]
             (a.float(), packed, state, None, bias.float()),  # fp32 x
-            (nf4h.make_weight((129, 128), torch.bfloat16, seed + 6), packed, state, None, bias),  # past 128 rows
+            (nf4h.make_weight((4097, 128), torch.bfloat16, seed + 6), packed, state, None, bias),  # past the rows
             (a, packed, state, None, bias.float()),  # a float32 bias for bf16 x: nf4.linear raises, bnb decides
         ]
         for args in declined:
@@ -807,22 +807,22 @@ def test_fused_route_conditions(nf4h, double_quant):
 @pytest.mark.parametrize("compress_statistics", [True, False], ids=["dq", "nodq"])
 def test_linear4bit_cpu_fused_route(nf4h, compress_statistics):
     """A Linear4bit in the fused mode (interpreter): 1 and 15 rows go to nf4.linear (its output and input
-    gradient bit for bit, within the float32 accumulation bound of the exact product), 129 rows to
-    bitsandbytes (bit-identical to unpatched); a float32 compute dtype stays with bitsandbytes."""
+    gradient bit for bit, within the float32 accumulation bound of the exact product), 4097 rows (past the
+    route) to bitsandbytes (bit-identical to unpatched); a float32 compute dtype stays with bitsandbytes."""
     seed = nf4h.case_seed("bnb-fused-linear4bit", compress_statistics)
     layer = _linear4bit(nf4h, 128, 37, seed, compress_statistics=compress_statistics,
                         compute_dtype=torch.bfloat16, device="cpu")
     qs = layer.weight.quant_state
-    for i, lead in enumerate([(1,), (3, 5), (129,)]):
+    for i, lead in enumerate([(1,), (3, 5), (4097,)]):
         x = nf4h.make_weight((*lead, 128), torch.bfloat16, seed + 10 + i)
         y0, g0, _ = _forward_backward(layer, x)
         reset_routed_counts()
         with nf4.patched_bitsandbytes(fused_linear=True):
             y1, g1, after_forward = _forward_backward(layer, x)
-        if lead == (129,):
+        if lead == (4097,):
             assert after_forward.get((MM, "bitsandbytes")) == 1 and (MM, "nf4") not in after_forward
-            assert_bitexact(y1, y0, name="129 rows: bitsandbytes")
-            assert_bitexact(g1, g0, name="129 rows: input gradient")
+            assert_bitexact(y1, y0, name="4097 rows: bitsandbytes")
+            assert_bitexact(g1, g0, name="4097 rows: input gradient")
             continue
         assert after_forward == {(MM, "nf4"): 1}, after_forward
         xe = x.detach().clone().requires_grad_(True)
@@ -850,7 +850,8 @@ def test_linear4bit_cuda_fused_route(nf4h, compress_statistics):
     tensor-core GEMV runs): a Linear4bit forward of 1, 5, 16 and 32 rows (no grad, as in decode; and 5 rows
     with grad) is nf4.linear's (bit for bit; within the float32 accumulation bound of the exact product), 33
     rows bitsandbytes' path as in the plain mode; torch.compile(fullgraph=True) of the patched layer at one
-    row gives the eager bits. (Where nf4.linear takes nf4.dequantize + cuBLAS instead, as for a float32
+    row gives the eager bits; 300 rows with grad give the plain patch's bits (both nf4.dequantize + cuBLAS there).
+    (Where nf4.linear takes nf4.dequantize + cuBLAS instead, as for a float32
     QuantState, cuBLAS's bf16 reductions are not held to that bound: tests/nf4/linear/test_sum.py.)"""
     from nf4.linear.config import routes_matmul_4bit
 
@@ -887,6 +888,18 @@ def test_linear4bit_cuda_fused_route(nf4h, compress_statistics):
     ye.sum().backward()
     assert_bitexact(y1, ye.detach(), name="with grad")
     assert_bitexact(g1, xe.grad, name="input gradient")
+    # Past nf4.linear's fused rows it runs nf4.dequantize + cuBLAS, as the plain patch's bitsandbytes fallback does
+    # (the plain patch sends gemm_4bit to that fallback from ROUTE_GEMM_4BIT_MIN_M rows): the same bits, forward and
+    # input gradient, with a fresh gradient path through nf4.linear's autograd function.
+    x = nf4h.make_weight((300, 512), torch.bfloat16, seed + 98, "cuda")
+    with nf4.patched_bitsandbytes():
+        y0, g0, _ = _forward_backward(layer, x)
+    reset_routed_counts()
+    with nf4.patched_bitsandbytes(fused_linear=True):
+        y1, g1, after_forward = _forward_backward(layer, x)
+    assert routes_matmul_4bit(name, 300) and after_forward == {(MM, "nf4"): 1}
+    assert_bitexact(y1, y0, name="300 rows: the plain patch's forward")
+    assert_bitexact(g1, g0, name="300 rows: the plain patch's input gradient")
     x1 = nf4h.make_weight((1, 512), torch.bfloat16, seed + 100, "cuda")
     with torch.no_grad(), nf4.patched_bitsandbytes(fused_linear=True):
         eager = layer(x1)
