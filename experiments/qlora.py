@@ -32,6 +32,8 @@ Modes (--modes; each is a context the same model runs in, interleaved with the o
   no_matmul  a bound, not an implementation: `matmul_4bit` replaced by an op that allocates its output (and its
              input's gradient) and launches no kernel, so its time is what the step would take with a 4-bit linear
              of zero device time; its outputs are garbage and never compared;
+  dense      a bound, not an implementation: `matmul_4bit` replaced by F.linear on the weight dequantized once
+             beforehand (bf16), its backward by autograd: the step with a free dequantize and cuBLAS's matmuls;
   unsloth    Unsloth 2026.10.9's own Linear4bit override, the released `unsloth/kernels/bnb_override.py` run from
              the wheel's files (verify.unsloth_release: its kernels are the release's, the few lines of utils.py
              plumbing it calls are our re-statement), forced on as UNSLOTH_BNB_NF4_LINEAR=1 does: the release
@@ -77,7 +79,7 @@ QUICK_DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads
 QUICK = {"layers": 1, "vocab": 1024, "shapes": ["1x32"], "steps": 2, "decode_tokens": 8}
 WARMUP = 3
 PROMPT_TOKENS = 16
-MODES = ("bnb", "nf4", "nf4_fused", "unsloth", "no_matmul")
+MODES = ("bnb", "nf4", "nf4_fused", "unsloth", "no_matmul", "dense")
 MODE_TEXT = {
     "bnb": "bitsandbytes alone",
     "nf4": "nf4.patched_bitsandbytes(): bitsandbytes' NF4 dequantization through nf4 (bit-identical)",
@@ -86,8 +88,12 @@ MODE_TEXT = {
     "no_matmul": "a bound, not an implementation: bitsandbytes' matmul_4bit replaced by an op that allocates its "
                  "output (and in the backward its input's gradient) and launches no kernel; its step time is what any "
                  "4-bit linear kernel, at zero device time, would leave (outputs are not compared)",
+    "dense": "a bound, not an implementation: bitsandbytes' matmul_4bit replaced by F.linear on the weight "
+             "dequantized once by bitsandbytes (bf16, kept per QuantState), its backward by autograd: the step with a "
+             "free dequantize and cuBLAS's matmuls",
 }
-BOUNDS = ("no_matmul",)  # modes that time a bound: their outputs are garbage, never compared with bitsandbytes'
+BOUNDS = ("no_matmul", "dense")  # modes that time a bound, not an implementation
+UNCOMPARED = ("no_matmul",)  # bounds whose outputs are uninitialized memory: never compared with bitsandbytes'
 NONDETERMINISM_NOTE = (
     "bitsandbytes alone gave different losses or LoRA gradients for identical inputs, so bit-identity of nf4 with it "
     "is not claimed. Likely non-deterministic ops: atomics in the attention backward (SDPA's flash / "
@@ -358,10 +364,12 @@ def _mode_stats(mode: str, res: dict, routed: dict) -> dict:
     t = summarize_ms(res[mode]["times"])
     stats = {"ms": t, "median_ms": t["median_ms"], "speedup": res["bnb"]["median"] / t["median_ms"],
              "routed": routed.get(mode, {})}
-    if mode in BOUNDS:
-        stats.update(bitexact_vs_bnb=None, bound=True)
+    if mode in UNCOMPARED:
+        stats.update(bitexact_vs_bnb=None)
     else:
         stats.update(compare(res["bnb"]["records"], res[mode]["records"]))
+    if mode in BOUNDS:
+        stats["bound"] = True
     return stats
 
 
@@ -467,8 +475,10 @@ def decode_row(model, *, modes: dict, vocab: int, seed: int, tokens: int, reps: 
                         "prefill_ms": statistics.median(r[0] * 1e3 for r in res[mode]["records"]),
                         "tokens_identical": len(ids["bnb"] | ids[mode]) == 1, "deterministic": len(ids[mode]) == 1,
                         "first_tokens": list(next(iter(ids[mode])))[:16], "routed": routed.get(mode, {})}
+        if mode in UNCOMPARED:
+            others[mode].update(tokens_identical=None, deterministic=None, first_tokens=[])
         if mode in BOUNDS:
-            others[mode].update(tokens_identical=None, deterministic=None, first_tokens=[], bound=True)
+            others[mode]["bound"] = True
     return {"prompt_tokens": PROMPT_TOKENS, "decode_tokens": tokens, "reps": reps, "bnb_tok_s": tok_s["bnb"],
             "nf4_tok_s": tok_s["nf4"], "speedup": tok_s["nf4"] / tok_s["bnb"],
             "bnb_decode_ms": summarize_ms(res["bnb"]["times"]), "nf4_decode_ms": summarize_ms(res["nf4"]["times"]),
@@ -504,6 +514,8 @@ def mode_contexts(names, unsloth_load=None) -> tuple[dict, dict]:
         contexts["nf4_fused"] = lambda: nf4.patched_bitsandbytes(fused_linear=True)
     if "no_matmul" in names:
         contexts["no_matmul"] = no_matmul_context
+    if "dense" in names:
+        contexts["dense"] = dense_context
     if "unsloth" in names:
         factory, why = unsloth_context(unsloth_load)
         if factory is None:
@@ -606,6 +618,38 @@ def _no_matmul_fn():
 
 
 _NO_MATMUL: list = []
+_DENSE: dict = {}  # id(QuantState) -> (QuantState, its weight dequantized by bitsandbytes): the dense bound's weights
+
+
+@contextlib.contextmanager
+def dense_context(counts=None, dequantize=None):
+    """The dense bound: `bitsandbytes.matmul_4bit` replaced by F.linear on the weight dequantized once (by
+    `dequantize`, default bitsandbytes.functional.dequantize_4bit; kept in _DENSE across entries, so only the first
+    call per weight pays it), calls counted in `counts` (default _peer_counts); the original put back on exit."""
+    import bitsandbytes
+    import bitsandbytes.autograd._functions as functions
+    import torch
+
+    counts = _peer_counts if counts is None else counts
+    original = bitsandbytes.matmul_4bit
+    dequantize = dequantize or bitsandbytes.functional.dequantize_4bit
+
+    def matmul_4bit(A, B, quant_state, out=None, bias=None):
+        key = ("matmul_4bit", "dense")
+        counts[key] = counts.get(key, 0) + 1
+        entry = _DENSE.get(id(quant_state))
+        if entry is None or entry[0] is not quant_state:
+            w = dequantize(B, quant_state)
+            if tuple(w.shape) != tuple(quant_state.shape):  # a transposed packed view gives W^T
+                w = w.t()
+            entry = _DENSE[id(quant_state)] = (quant_state, w.to(A.dtype).contiguous())
+        return torch.nn.functional.linear(A, entry[1], None if bias is None else bias.to(A.dtype))
+
+    bitsandbytes.matmul_4bit = functions.matmul_4bit = matmul_4bit
+    try:
+        yield
+    finally:
+        bitsandbytes.matmul_4bit = functions.matmul_4bit = original
 
 
 def mode_text(mode: str, device_name: str) -> str:

@@ -173,6 +173,15 @@ WORD_GEMM32 = LinearConfig(path="gemm", codebook=3, block_m=32, block_n=128, blo
                            swap=True, split_k=0, programs_per_sm=2)
 WORD_GEMM64 = WORD_GEMM32.with_(block_m=64)
 WORD_GEMM128 = WORD_GEMM32.with_(block_m=128)
+# 256 rows of x per W tile, so that M = 129-256 decodes W once, with 8 warps (two threads per row of the 128-row tile,
+# the accumulator over two warpgroups) and one program per multiprocessor: sweeps at d016d52 (H100) and 67bd43e
+# (H200) over 14336x4096, 4096x14336, 4096x4096 and 8192x2048 at M = 128-512 (results/linear/tuning/
+# sweep_word256_{h100,h200}.json, bf16, every row operand-exact, nf4.dequantize + cuBLAS timed in the same run). At
+# M = 256 on 4096x14336: 73.9 / 75.2 us against 113.4 / 89.6 for nf4.dequantize + cuBLAS (H100 / H200); on the
+# rows of 4096 or fewer weights it lost or tied on both GPUs (14336x4096: 97.2 / 99.1 against 106.5 / 85.2; 4096x4096
+# 32.0 / 32.0 against 31.8 / 26.9; 8192x2048 36.7 / 36.7 against 29.1 / 25.9), so `for_shape` keeps nf4.dequantize +
+# cuBLAS on rows shorter than 8192. At M = 512 (two W decodes) nf4.dequantize + cuBLAS won on every swept weight.
+WORD_GEMM256 = WORD_GEMM32.with_(block_m=256, num_warps=8, programs_per_sm=1)
 # What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config, through `fallback`): the tensor-core
 # GEMV (x or the packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes
 # the word GEMV up to M = 4 and nf4.dequantize + cuBLAS above (the table's choice there before it); the word GEMV
@@ -183,7 +192,8 @@ Rows = tuple[tuple[int | None, LinearConfig], ...]
 FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
     GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: ((4, GEMV_TABLE), (None, DEQUANT)),
     GEMV_MMA32: DEQUANT, GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT)),
-    GEMV_MMA_WK4: GEMV_TABLE, WORD_GEMM32: DEQUANT, WORD_GEMM64: DEQUANT, WORD_GEMM128: DEQUANT}
+    GEMV_MMA_WK4: GEMV_TABLE, WORD_GEMM32: DEQUANT, WORD_GEMM64: DEQUANT, WORD_GEMM128: DEQUANT,
+    WORD_GEMM256: DEQUANT}
 
 
 def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
@@ -207,7 +217,7 @@ GEMM = LinearConfig(path="gemm", block_m=128, block_n=128, block_k=64, num_warps
 TUNED: dict[str, dict[str, Rows]] = {
     "H100": {
         "forward": ((2, GEMV_MMA_WK), (8, GEMV_MMA_WK16), (16, GEMV_MMA16), (32, WORD_GEMM32), (64, WORD_GEMM64),
-                    (128, WORD_GEMM128), (None, DEQUANT)),
+                    (128, WORD_GEMM128), (256, WORD_GEMM256), (None, DEQUANT)),
         "backward": ((None, DEQUANT),),
     },
 }
@@ -232,15 +242,18 @@ ROUTE_GEMM_4BIT_MIN_M: dict[str, int] = {"H100": 128}
 # bitsandbytes' fused kernel where nf4.linear runs a fused kernel (M <= 128), not bitsandbytes' bits.
 ROUTE_MATMUL_4BIT_MAX_M: dict[str, int] = {"H100": 4096, "H200": 4096}
 
-_limits: dict[tuple[int, str], int] = {}
+_ROUTE_TABLES = {"matmul_4bit": ROUTE_MATMUL_4BIT_MAX_M, "gemm_4bit": ROUTE_GEMM_4BIT_MIN_M}
+_limits: dict[tuple[str, str], int] = {}
 
 
-def _gpu_limit(table: dict[str, int], device_name: str) -> int:
-    """The entry of a per-GPU table whose key is in the GPU's name (the default GPU's otherwise), cached:
-    the routes ask on every bitsandbytes call."""
-    key = (id(table), device_name)
+def _gpu_limit(route: str, device_name: str) -> int:
+    """The entry of a route's per-GPU table (_ROUTE_TABLES) whose key is in the GPU's name (the default GPU's
+    otherwise), cached: the routes ask on every bitsandbytes call. Keyed by the route's name, not the table's
+    id(), which torch.compile cannot trace (the route runs inside a compiled Linear4bit)."""
+    key = (route, device_name)
     limit = _limits.get(key)
     if limit is None:
+        table = _ROUTE_TABLES[route]
         limit = _limits[key] = next((v for gpu, v in table.items() if gpu in device_name), table[DEFAULT_GPU])
     return limit
 
@@ -248,7 +261,7 @@ def _gpu_limit(table: dict[str, int], device_name: str) -> int:
 def matmul_4bit_route_max_m(device_name: str) -> int:
     """The most rows of a matmul_4bit call that the fused route of a patched bitsandbytes sends to nf4.linear on
     this GPU ("" for Triton's interpreter: the default GPU's limit)."""
-    return _gpu_limit(ROUTE_MATMUL_4BIT_MAX_M, device_name)
+    return _gpu_limit("matmul_4bit", device_name)
 
 
 def routes_matmul_4bit(device_name: str, m: int) -> bool:
@@ -259,7 +272,7 @@ def routes_matmul_4bit(device_name: str, m: int) -> bool:
 
 def routes_gemm_4bit(device_name: str, m: int) -> bool:
     """Whether a patched bitsandbytes should send a gemm_4bit of m rows to nf4 on this GPU."""
-    return m >= _gpu_limit(ROUTE_GEMM_4BIT_MIN_M, device_name)
+    return m >= _gpu_limit("gemm_4bit", device_name)
 
 
 SMALL_WEIGHT = 1024 * 4096
@@ -279,10 +292,11 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     bench_h100_0bf48e8.json), so the rows stay: those weights are small, and their calls host-bound in eager use.
     The word tl.dot rows (sweeps at 6215746 / 5cde365): at M = 17-32 a weight of at most SMALL_WEIGHT weights keeps
     GEMV_MMA32 (1024x4096, M = 32: 7.5 / 7.4 us against 8.2 / 10.5 on the H100 / H200); at M = 65-128 rows shorter
-    than 4096 take nf4.dequantize + cuBLAS (8192x2048, M = 128: 25.0 / 20.9 us against 26.3 / 25.4)."""
+    than 4096 take nf4.dequantize + cuBLAS (8192x2048, M = 128: 25.0 / 20.9 us against 26.3 / 25.4); at M = 129-256
+    rows shorter than 8192 (WORD_GEMM256's sweeps)."""
     if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
         return GEMV_MMA32
-    if config is WORD_GEMM128 and k < 4096:
+    if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192):
         return DEQUANT
     if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
         return config

@@ -331,3 +331,37 @@ def test_mode_text_names_the_route_limit():
     limit = matmul_4bit_route_max_m("NVIDIA H100 80GB HBM3")
     assert f"1-{limit} rows" in qlora.mode_text("nf4_fused", "NVIDIA H100 80GB HBM3")
     assert qlora.mode_text("bnb", "") == qlora.MODE_TEXT["bnb"]
+
+
+def test_dense_context_dequantizes_once_and_restores():
+    """The dense bound: F.linear on the weight dequantized once per QuantState (the dequantized weight in
+    quant_state.shape, a transposed result turned back), differentiable in x, the original back on exit."""
+    bitsandbytes = pytest.importorskip("bitsandbytes")
+
+    original = bitsandbytes.matmul_4bit
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(7, 5, generator=gen).to(torch.bfloat16)
+    calls, counts = [], {}
+
+    class State:
+        shape = (7, 5)
+
+    def dequantize(B, qs):
+        calls.append(qs)
+        return w.t()  # what bitsandbytes returns for a transposed packed view
+
+    state = State()
+    x = torch.randn(3, 5, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    qlora._DENSE.clear()
+    try:
+        with qlora.dense_context(counts, dequantize=dequantize):
+            y = bitsandbytes.matmul_4bit(x, None, state)
+        with qlora.dense_context(counts, dequantize=dequantize):
+            y2 = bitsandbytes.matmul_4bit(x, None, state, bias=torch.ones(7))
+    finally:
+        qlora._DENSE.clear()
+    assert bitsandbytes.matmul_4bit is original and calls == [state] and counts == {("matmul_4bit", "dense"): 2}
+    assert torch.equal(y, torch.nn.functional.linear(x, w))
+    assert torch.equal(y2, torch.nn.functional.linear(x, w, torch.ones(7, dtype=torch.bfloat16)))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3, 7, dtype=torch.bfloat16) @ w)

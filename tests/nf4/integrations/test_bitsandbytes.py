@@ -753,6 +753,22 @@ def test_routes_matmul_4bit_limits(device_name, m):
     assert routes_matmul_4bit(device_name, m) is (1 <= m <= limit)
 
 
+def test_route_limits_trace_under_compile():
+    """The per-GPU limit lookups run inside a compiled Linear4bit's forward: dynamo traces them without a graph
+    break (fullgraph), a cold cache and a warm one (a lookup keyed by a table's id() did not trace)."""
+    from nf4.linear import config
+    from nf4.linear.config import routes_gemm_4bit, routes_matmul_4bit
+
+    def f(x):
+        return x + int(routes_matmul_4bit("NVIDIA H100 80GB HBM3", 5)) + int(routes_gemm_4bit("NVIDIA H200", 200))
+
+    for cold in (True, False):
+        if cold:
+            config._limits.clear()
+        torch._dynamo.reset()
+        assert torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2)).tolist() == [2.0, 2.0]
+
+
 @needs_interpreter
 @pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
 def test_fused_route_conditions(nf4h, double_quant):

@@ -505,6 +505,7 @@ def test_tuned_rows_for_a_weights_shape():
         WORD_GEMM32,
         WORD_GEMM64,
         WORD_GEMM128,
+        WORD_GEMM256,
         for_shape,
         pick,
         tuned,
@@ -535,6 +536,11 @@ def test_tuned_rows_for_a_weights_shape():
         assert at(m, 8192, 2048) is DEQUANT and at(m, 14336, 4096 - 64) is DEQUANT, m
         assert at(m, 1024, 4096) is WORD_GEMM128 and at(m, 4096, 14336) is WORD_GEMM128, m
     assert at(64, 8192, 2048) is WORD_GEMM64 and at(129, 14336, 4096) is DEQUANT
+    # M = 129-256: 256 rows of x per W tile on rows of 8192 weights or more, nf4.dequantize + cuBLAS on shorter ones
+    for m in (129, 256):
+        assert at(m, 4096, 14336) is WORD_GEMM256 and at(m, 2048, 8192) is WORD_GEMM256, m
+        assert at(m, 14336, 4096) is DEQUANT and at(m, 4096, 8192 - 64) is DEQUANT, m
+    assert at(257, 4096, 14336) is DEQUANT and tuned(h100, 256) is WORD_GEMM256
     assert at(1, 1024, 2048, backward=True) is tuned(h100, 1, True)  # the backward rows are not adjusted
     assert at(1, 1024, 2048, name="") is pick(INTERPRETER["forward"], 1)  # nor the interpreter's
     assert tuned("NVIDIA H200", 1, n=8192, k=2048) is GEMV_MMA_WK4  # the H100's rows apply to the H200

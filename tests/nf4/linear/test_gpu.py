@@ -69,6 +69,9 @@ if torch.cuda.is_available():
                                              swap=True, split_k=1)),
         "word-gemm-M64": (64, LinearConfig(path="gemm", codebook=3, block_m=64, block_n=128, swap=True, num_stages=3,
                                            split_k=0, programs_per_sm=2)),
+        # 256 rows of x per tile, 8 warps, one program per multiprocessor (WORD_GEMM256): two tiles along M
+        "word-gemm-M300": (300, LinearConfig(path="gemm", codebook=3, block_m=256, block_n=128, num_warps=8, swap=True,
+                                             num_stages=3, split_k=0, programs_per_sm=1)),
         "dequant": (8, LinearConfig(path="dequant")),
     }
     BACKWARD = {

@@ -42,7 +42,10 @@ configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
                          split_k=2), 32),
            # the word tl.dot kernel (unmasked word loads from rows clamped to the weight), alone and split-K 3
            (LinearConfig(path="gemm", codebook=3, block_m=32, block_n=128, swap=True, num_stages=3, split_k=1), 32),
-           (LinearConfig(path="gemm", codebook=3, block_m=16, block_n=128, swap=True, num_stages=3, split_k=3), 32)]
+           (LinearConfig(path="gemm", codebook=3, block_m=16, block_n=128, swap=True, num_stages=3, split_k=3), 32),
+           # 256 rows of x per tile over 8 warps (WORD_GEMM256's shape), split-K 2
+           (LinearConfig(path="gemm", codebook=3, block_m=256, block_n=128, num_warps=8, swap=True, num_stages=3,
+                         split_k=2), 32)]
 n_checked = 0
 for n, k in ((45, 384), (333, 512)):
     for blocksize in (64, 128):
