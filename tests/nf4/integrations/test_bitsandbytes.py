@@ -118,13 +118,14 @@ def _assert_same_outcome(got, expect, name="output"):
 
 
 def test_patch_and_unpatch_restore_the_same_objects():
-    """Where CUDA's gemm_4bit fallback is loaded, the plain patch also holds matmul_4bit (to hand the call's
+    """Where CUDA's gemm_4bit fallback is loaded, the plain patch also holds it, its kernel-or-fallback heuristic
+    (every name binding it: bitsandbytes' CUDA ops module keeps it under two) and matmul_4bit (to hand the call's
     QuantState to the fallback's replacement)."""
     original = F.dequantize_4bit
     before = _bnb_bindings()
-    expect = _holding(original, *([sys.modules["bitsandbytes.backends.cuda.ops"]._dequant_linear_fallback,
-                                   bnb.matmul_4bit]
-                                  if "bitsandbytes.backends.cuda.ops" in sys.modules else []))
+    cuda_ops = sys.modules.get("bitsandbytes.backends.cuda.ops")
+    expect = _holding(original, *([cuda_ops._dequant_linear_fallback, cuda_ops._gemm_4bit_use_custom_fn,
+                                   bnb.matmul_4bit] if cuda_ops is not None else []))
     assert ("bitsandbytes.functional", "dequantize_4bit") in expect
 
     nf4.patch_bitsandbytes()
