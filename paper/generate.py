@@ -47,6 +47,7 @@ from paper.sections import (
     known,
     linear,
     probe,
+    qlora,
     tuning,
     verify,
 )
@@ -79,6 +80,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/probe_<gpu>.json", probe.build, probe.load(doc))
     doc.section("results/linear/", linear.build, linear.load(doc))
     doc.section("results/linear/gemv_limit_<gpu>.json", gemv_limit.build, gemv_limit.load(doc))
+    doc.section("results/qlora_<gpu>.json", qlora.build, qlora.load(doc))
     doc.section("paper/published_claims.json", claims.build, Path(claims_path))
     doc.provenance()
     doc.write("macros.tex", doc.macros_tex())
