@@ -43,7 +43,9 @@ Modes (--modes; each is a context the same model runs in, interleaved with the o
 Train step, per (batch, seq) in --shapes: seeded random token ids, labels = ids, forward (loss) + backward, no
 optimizer step (every repetition computes the same thing). Step time: CUDA events around forward + backward, median
 of --steps after 3 warm-ups, per mode, interleaved. Each run records the loss bits (float32 as int32) and a
-sha256 over every LoRA parameter's .grad (sorted by name, raw bytes). `bnb_deterministic`: every bitsandbytes-alone
+sha256 over every LoRA parameter's .grad (sorted by name, raw bytes). After the timed steps, torch.profiler records
+each mode's GPU kernel time per step (`kernel_ms`; `bnb_kernel_ms`, `nf4_kernel_ms`): against the step time it
+says how much of the step the GPU spends running kernels. `bnb_deterministic`: every bitsandbytes-alone
 run (warm-ups too) gave the same loss bits and digest; `bitexact_vs_bnb`: every nf4 run gave exactly that (None, not
 claimed, when bitsandbytes alone is not deterministic; see `note`). `routed` counts the calls of one step that
 went to nf4 and to bitsandbytes (`nf4.integrations.bitsandbytes.routed_counts()`), and for the unsloth mode the
@@ -399,6 +401,11 @@ def train_shape(model, params, batch: int, seq: int, *, modes: dict, vocab: int,
         return ms, (loss_bits(loss), grad_digest((n, p.grad) for n, p in params.items()))
 
     res = interleave({mode: (lambda mode=mode: run(mode)) for mode in modes}, warmup=WARMUP, steps=steps)
+    kernel_ms = {}
+    if device.startswith("cuda"):  # after the timed steps: the profiler's own cost is not in their times
+        for mode in modes:
+            with modes[mode]():
+                kernel_ms[mode] = gpu_kernel_ms(step)
     bnb_t, nf4_t = summarize_ms(res["bnb"]["times"]), summarize_ms(res["nf4"]["times"])
     res["bnb"]["median"] = bnb_t["median_ms"]
     row = {"shape": f"{batch}x{seq}", "batch": batch, "seq": seq, "tokens": batch * seq, "bnb": bnb_t, "nf4": nf4_t,
@@ -410,6 +417,10 @@ def train_shape(model, params, batch: int, seq: int, *, modes: dict, vocab: int,
            "bnb_digests": sorted({r[1] for r in res["bnb"]["records"]}),
            "nf4_digests": sorted({r[1] for r in res["nf4"]["records"]}),
            "modes": {mode: _mode_stats(mode, res, routed) for mode in modes if mode != "bnb"}}
+    if kernel_ms:
+        row["bnb_kernel_ms"], row["nf4_kernel_ms"] = kernel_ms["bnb"], kernel_ms["nf4"]
+        for mode, stats in row["modes"].items():
+            stats["kernel_ms"] = kernel_ms[mode]
     row.update(compare(res["bnb"]["records"], res["nf4"]["records"]))
     if not row["bnb_deterministic"]:
         row["note"] = NONDETERMINISM_NOTE
@@ -418,6 +429,22 @@ def train_shape(model, params, batch: int, seq: int, *, modes: dict, vocab: int,
     if device.startswith("cuda"):
         row["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return row
+
+
+def gpu_kernel_ms(step, steps: int = 2) -> float:
+    """GPU kernel time per call of `step` (ms): torch.profiler's device time of every kernel over `steps` calls.
+    Against the step's own time it says how much of the step the GPU spends running kernels (the rest it waits
+    for the host)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # outside the profile: a first call after another mode's may allocate
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
 
 
 def greedy_decode(model, prompt, n: int, device: str):

@@ -9,7 +9,7 @@ dequantize and cuBLAS's matmuls). The bars are constants, evaluated here from th
 
 from __future__ import annotations
 
-from paper.latex import NM, Document, missing_box, ratio, row, tex
+from paper.latex import NM, Document, missing_box, num, pct, ratio, row, tex
 from paper.sections.linear import GPUS
 
 STEP_SHAPE, STEP_FACTOR, DECODE_FACTOR = "1x512", 1.15, 2.0
@@ -85,6 +85,12 @@ def build(doc: Document, data: dict | None) -> None:
         payload = data.get(tag) or {}
         env = payload.get("env") or {}
         doc.macro(f"NFqloraCommit{g}", tex(str(env.get("commit") or "")[:7]) if env.get("commit") else NM)
+        step_row = next((r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("shape") == STEP_SHAPE
+                         and "error" not in r), {})
+        kernel, ms = step_row.get("bnb_kernel_ms"), step_row.get("bnb_ms")
+        doc.macro(f"NFqloraStepBnbMs{g}", num(ms, 1))
+        doc.macro(f"NFqloraStepBnbKernelMs{g}", num(kernel, 1))
+        doc.macro(f"NFqloraStepBnbKernelPct{g}", pct(100 * kernel / ms) if kernel and ms else NM)
         step, decode = _train(payload).get(STEP_SHAPE) or {}, _decode(payload)
         for name, modes, factor in (("Step", step, STEP_FACTOR), ("Decode", decode, DECODE_FACTOR)):
             best = _best(modes)

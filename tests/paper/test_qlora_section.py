@@ -14,7 +14,7 @@ def _payload(step=1.2, fused=1.3, bound=1.5, decode=1.1, commit="abc1234"):
         return {"speedup": speedup, key: None if is_bound else exact, **({"bound": True} if is_bound else {})}
 
     return {"env": {"commit": commit, "device": "NVIDIA H100 80GB HBM3"},
-            "rows": [{"shape": "1x512", "speedup": step, "bitexact_vs_bnb": True,
+            "rows": [{"shape": "1x512", "speedup": step, "bitexact_vs_bnb": True, "bnb_ms": 20.0, "bnb_kernel_ms": 5.0,
                       "modes": {"nf4_fused": mode(fused), "no_matmul": mode(bound, is_bound=True),
                                 "dense": mode(bound + 0.1, is_bound=True)}},
                      {"shape": "8x2048", "error": "OutOfMemoryError"}],
@@ -39,6 +39,7 @@ def test_bars_take_the_best_of_nf4s_modes_not_the_bounds(tmp_path):
     # decode: 1.6 is under the bar of 2 although the no_matmul bound is 2.5
     assert macros["NFqloraBarDecodeHOneHundred"] == "missed" and macros["NFqloraBarDecodeValueHOneHundred"] == "1.60"
     assert macros["NFqloraDecodeNoMatmulHOneHundred"] == "2.50" and macros["NFqloraCommitHOneHundred"] == "abc1234"
+    assert macros["NFqloraStepBnbKernelPctHOneHundred"] == "25.0" and macros["NFqloraStepBnbMsHOneHundred"] == "20.0"
     table = files["qlora_table.tex"]
     assert r"1.30$\times$ (exact)" in table and r"1.50$\times$ (bound)" in table
     assert r"1.60$\times$ (not exact)" in table and "8$\\times$2048" not in table  # the failed shape has no rows
