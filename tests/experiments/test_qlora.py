@@ -365,3 +365,24 @@ def test_dense_context_dequantizes_once_and_restores():
     assert torch.equal(y2, torch.nn.functional.linear(x, w, torch.ones(7, dtype=torch.bfloat16)))
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones(3, 7, dtype=torch.bfloat16) @ w)
+
+
+def test_refuted_by_withdraws_claims_when_a_witness_is_not_deterministic():
+    """bitsandbytes alone with one outcome is a sample when a mode that runs none of nf4's code (dense, unsloth)
+    gives several for the same inputs: every bit-identity claim of the row becomes None, with the note; a row
+    whose witnesses were deterministic keeps its claims, and so does one whose bnb runs already differed."""
+    def row(dense_det, bnb_det=True):
+        return {"bnb_deterministic": bnb_det, "bitexact_vs_bnb": False,
+                "modes": {"nf4": {"bitexact_vs_bnb": False}, "dense": {"nf4_deterministic": dense_det,
+                                                                       "bitexact_vs_bnb": True},
+                          "no_matmul": {"bitexact_vs_bnb": None, "bound": True}}}
+
+    r = row(False)
+    assert qlora.refuted_by(r) == ["dense"]
+    assert r["bitexact_vs_bnb"] is None and r["bnb_deterministic_by_chance"] == ["dense"]
+    assert all(s["bitexact_vs_bnb"] is None for s in r["modes"].values()) and "dense" in r["note"]
+    kept = row(True)
+    assert qlora.refuted_by(kept) == [] and kept["bitexact_vs_bnb"] is False and "note" not in kept
+    other = row(False, bnb_det=False)
+    qlora.refuted_by(other)
+    assert other["bitexact_vs_bnb"] is False and "bnb_deterministic_by_chance" not in other
