@@ -233,13 +233,15 @@ ROUTE_GEMM_4BIT_MIN_M: dict[str, int] = {"H100": 128}
 
 # Rows of x up to which nf4.linear (this table's rows) measured faster than bitsandbytes 0.50.2's `matmul_4bit` (its
 # own choice of fused kernel or fallback) on every bench weight, per GPU: at 852e210, results/linear/bench_{h100,
-# h200}.json (bf16: 14336x4096, 4096x14336, 4096x4096, 8192x2048, 2048x8192, 1024x4096, M = 1-4096) and bench2_*
-# (fp16, M = 1-1024): the smallest ratio per M was 1.07 / 1.14 (H100 / H200) at M = 1, 1.5-2.5 at M = 2-128, 1.17 /
-# 1.31 at M = 256-512 and 1.05 / 1.04 at M = 4096, the largest M measured. Past 128 rows both run a dequantize and
+# h200}_852e210.json (bf16: 14336x4096, 4096x14336, 4096x4096, 8192x2048, 2048x8192, 1024x4096, M = 1-4096) and
+# bench2_*_852e210.json (fp16, M = 1-1024): the smallest ratio per M was 1.07 / 1.14 (H100 / H200) at M = 1, 1.5-2.5
+# at M = 2-128, 1.17 / 1.31 at M = 256-512 and 1.05 / 1.04 at M = 4096, the largest M measured; the runs at e4b0b72
+# (bench_{h100,h200}.json, bench2_*) agree, down to a tie at M = 4096 on the H100 (4096x14336: 724.8 us against
+# 726.8, the same dequantize + cuBLAS, whose matmul is nearly all of it). Past 128 rows both run a dequantize and
 # cuBLAS (nf4.linear's DEQUANT row; bitsandbytes' fallback, the only path it takes past 1536 rows), where nf4 pays
 # less host time per call (bench host_us at M = 512). Used only by the opt-in fused route of a patched bitsandbytes
 # (`nf4.patch_bitsandbytes(fused_linear=True)`), whose outputs are nf4.linear's: float32 sums in another order than
-# bitsandbytes' fused kernel where nf4.linear runs a fused kernel (M <= 128), not bitsandbytes' bits.
+# bitsandbytes' fused kernel where nf4.linear runs a fused kernel (the table's fused rows), not bitsandbytes' bits.
 ROUTE_MATMUL_4BIT_MAX_M: dict[str, int] = {"H100": 4096, "H200": 4096}
 
 _ROUTE_TABLES = {"matmul_4bit": ROUTE_MATMUL_4BIT_MAX_M, "gemm_4bit": ROUTE_GEMM_4BIT_MIN_M}
