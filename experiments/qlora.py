@@ -623,25 +623,31 @@ def unsloth_context(load=None, counts=None):
 
 
 @contextlib.contextmanager
-def no_matmul_context(counts=None):
-    """The no_matmul bound: `bitsandbytes.matmul_4bit` (what Linear4bit.forward calls, looked up at call time)
-    replaced by `no_matmul_4bit`, calls counted in `counts` (default _peer_counts); the original put back on exit."""
+def _matmul_4bit_replaced(mode: str, compute, counts=None):
+    """`bitsandbytes.matmul_4bit` (what Linear4bit.forward calls, looked up at call time; bound in bitsandbytes and
+    its autograd module) replaced by compute(A, B, quant_state, bias) while active, calls counted in `counts` (default
+    _peer_counts) as ("matmul_4bit", mode); the original put back on exit."""
     import bitsandbytes
     import bitsandbytes.autograd._functions as functions
 
     counts = _peer_counts if counts is None else counts
     original = bitsandbytes.matmul_4bit
+    key = ("matmul_4bit", mode)
 
     def matmul_4bit(A, B, quant_state, out=None, bias=None):
-        key = ("matmul_4bit", "no_matmul")
         counts[key] = counts.get(key, 0) + 1
-        return no_matmul_4bit(A, quant_state.shape[0], bias)
+        return compute(A, B, quant_state, bias)
 
     bitsandbytes.matmul_4bit = functions.matmul_4bit = matmul_4bit
     try:
         yield
     finally:
         bitsandbytes.matmul_4bit = functions.matmul_4bit = original
+
+
+def no_matmul_context(counts=None):
+    """The no_matmul bound: `matmul_4bit` replaced by `no_matmul_4bit` (_matmul_4bit_replaced)."""
+    return _matmul_4bit_replaced("no_matmul", lambda A, B, qs, bias: no_matmul_4bit(A, qs.shape[0], bias), counts)
 
 
 def no_matmul_4bit(A, n: int, bias=None):
@@ -674,22 +680,16 @@ _NO_MATMUL: list = []
 _DENSE: dict = {}  # id(QuantState) -> (QuantState, its weight dequantized by bitsandbytes): the dense bound's weights
 
 
-@contextlib.contextmanager
 def dense_context(counts=None, dequantize=None):
-    """The dense bound: `bitsandbytes.matmul_4bit` replaced by F.linear on the weight dequantized once (by
+    """The dense bound: `matmul_4bit` replaced (_matmul_4bit_replaced) by F.linear on the weight dequantized once (by
     `dequantize`, default bitsandbytes.functional.dequantize_4bit; kept in _DENSE across entries, so only the first
-    call per weight pays it), calls counted in `counts` (default _peer_counts); the original put back on exit."""
+    call per weight pays it)."""
     import bitsandbytes
-    import bitsandbytes.autograd._functions as functions
     import torch
 
-    counts = _peer_counts if counts is None else counts
-    original = bitsandbytes.matmul_4bit
     dequantize = dequantize or bitsandbytes.functional.dequantize_4bit
 
-    def matmul_4bit(A, B, quant_state, out=None, bias=None):
-        key = ("matmul_4bit", "dense")
-        counts[key] = counts.get(key, 0) + 1
+    def dense(A, B, quant_state, bias):
         entry = _DENSE.get(id(quant_state))
         if entry is None or entry[0] is not quant_state:
             w = dequantize(B, quant_state)
@@ -698,11 +698,7 @@ def dense_context(counts=None, dequantize=None):
             entry = _DENSE[id(quant_state)] = (quant_state, w.to(A.dtype).contiguous())
         return torch.nn.functional.linear(A, entry[1], None if bias is None else bias.to(A.dtype))
 
-    bitsandbytes.matmul_4bit = functions.matmul_4bit = matmul_4bit
-    try:
-        yield
-    finally:
-        bitsandbytes.matmul_4bit = functions.matmul_4bit = original
+    return _matmul_4bit_replaced("dense", dense, counts)
 
 
 def mode_text(mode: str, device_name: str) -> str:

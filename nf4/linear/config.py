@@ -269,7 +269,7 @@ def matmul_4bit_route_max_m(device_name: str) -> int:
 def routes_matmul_4bit(device_name: str, m: int) -> bool:
     """Whether the fused route of a patched bitsandbytes sends a matmul_4bit of m rows to nf4.linear on this GPU
     ("" for Triton's interpreter: the default GPU's limit)."""
-    return 1 <= m <= matmul_4bit_route_max_m(device_name)
+    return 1 <= m <= _gpu_limit("matmul_4bit", device_name)  # asked on every bitsandbytes call: no wrapper
 
 
 def routes_gemm_4bit(device_name: str, m: int) -> bool:

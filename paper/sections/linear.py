@@ -91,13 +91,13 @@ def load(doc: Document) -> dict | None:
                         "fused linear")
 
 
-def load_per_gpu(doc: Document, kinds, command: str, section: str) -> dict | None:
-    """{gpu tag: {kind: payload}} from results/linear/<kind>_<tag>.json for each (kind, what) of `kinds` (`what`
+def load_per_gpu(doc: Document, kinds, command: str, section: str, folder: str = "linear/") -> dict | None:
+    """{gpu tag: {kind: payload}} from results/<folder><kind>_<tag>.json for each (kind, what) of `kinds` (`what`
     follows the GPU's name in the note of a missing file), or None (each missing file noted)."""
     data = {}
     for tag, _, label in GPUS:
         for kind, what in kinds:
-            name = f"linear/{kind}_{tag}.json"
+            name = f"{folder}{kind}_{tag}.json"
             if not (doc.results / name).exists():
                 doc.missing.append(f"results/{name} ({label}{what}: python -m experiments {command})")
                 continue

@@ -10,7 +10,7 @@ dequantize and cuBLAS's matmuls). The bars are constants, evaluated here from th
 from __future__ import annotations
 
 from paper.latex import NM, Document, missing_box, num, pct, ratio, row, tex
-from paper.sections.linear import GPUS
+from paper.sections.linear import GPUS, load_per_gpu
 
 STEP_SHAPE, STEP_FACTOR, DECODE_FACTOR = "1x512", 1.15, 2.0
 OURS = ("nf4", "nf4_fused")  # nf4's modes; the others are a peer (unsloth) or bounds
@@ -24,16 +24,8 @@ MODES = (("nf4", r"\code{nf4.patched\_bitsandbytes()}"),
 
 def load(doc: Document) -> dict | None:
     """{gpu tag: payload} for the files present, or None (each missing file noted)."""
-    data = {}
-    for tag, _, label in GPUS:
-        name = f"qlora_{tag}.json"
-        if not (doc.results / name).exists():
-            doc.missing.append(f"results/{name} ({label} QLoRA step and decode: python -m experiments qlora)")
-            continue
-        payload = doc.load(name, label="experiments qlora", required_for=f"QLoRA table, {label}")
-        if isinstance(payload, dict):
-            data[tag] = payload
-    return data or None
+    data = load_per_gpu(doc, (("qlora", " QLoRA step and decode"),), "qlora", "QLoRA table", folder="")
+    return {tag: kinds["qlora"] for tag, kinds in data.items()} if data else None
 
 
 def _modes(entry: dict, exact_key: str) -> dict:
