@@ -1,5 +1,5 @@
-"""python -m experiments {list, run, sm75, bench, bench-linear, probe, gemv-limit, qlora, fsdp-qlora}: see
-experiments/README.md.
+"""python -m experiments {list, run, sm75, bench, bench-linear, probe, gemv-limit, linear-host, qlora,
+fsdp-qlora}: see experiments/README.md.
 
 Without a CUDA device, TRITON_INTERPRET=1 is set here, before anything imports triton, so that
 `run` checks the variants in Triton's interpreter. `sm75` (and `run --sm75`) compiles in a child
@@ -36,6 +36,8 @@ def main(argv=None) -> int:
                    "and eager (experiments.compile_dequant)", add_help=False)
     sub.add_parser("gemv-limit", help="GPU (or --sass-only): nf4.linear at M = 1 cut into its loads and its decode, "
                    "and its main loop's SASS (experiments.gemv_limit)", add_help=False)
+    sub.add_parser("linear-host", help="GPU: host time of one 4-bit linear as a QLoRA step calls it, per mode and "
+                   "call form (experiments.linear_host)", add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
     run = sub.add_parser("run", help="check every variant bit-exact, then time it (GPU)")
     run.add_argument("ids", nargs="*", help="variant ids or shell patterns (v3*); default all")
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
     sm.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit"):
+    if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit",
+                            "linear-host"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])

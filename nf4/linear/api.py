@@ -6,11 +6,14 @@
 The operand is the dequantized weight bit for bit (`nf4.dequantize(W).to(x.dtype)`, what
 bitsandbytes' `matmul_4bit` fallback multiplies by); the sum is float32 (docs/FORMAT.md §10).
 Differentiable in x and bias (W frozen, as in QLoRA): the backward computes dY @ W with the same
-kernels, reading the packed bytes transposed, never materialising W.
+kernels, reading the packed bytes transposed, never materialising W (except where the measured
+table takes nf4.dequantize + cuBLAS: then a scratch weight lives for the one product).
 
 The repeat call is kept short like `nf4.dequantize`'s: a QuantState validated once is remembered
 (`_Weight`, holding the state's tensors but never the packed weight), and each (M, dtype, bias)
-seen twice gets a launch bound by nf4.runtime, so the next call checks x and launches.
+seen twice gets a launch bound by nf4.runtime (or, where the table takes nf4.dequantize + cuBLAS,
+a mark that sends it there), so the next call checks x and launches; with autograd recording too,
+as a QLoRA step calls it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class _Weight:
         "device",
         "dtype",
         "fused",
+        "index",
         "launches",
         "nested",
         "offset",
@@ -120,6 +124,9 @@ def weight_state(packed: torch.Tensor, qs) -> _Weight:
     w.state2_code = w.state2.code if w.state2 is not None else None
     w.offset_ref = getattr(qs, "offset", None)
     w.packed_dtype, w.packed_numel = packed.dtype, packed.numel()
+    # what x.get_device() says for an x on the weight's device: the CUDA index, -1 for the CPU (the interpreter);
+    # -2 (nothing) elsewhere (the meta device of an offline compile: never a repeat call)
+    w.index = packed.device.index if packed.device.type == "cuda" else -1 if packed.device.type == "cpu" else -2
     w.launches = {}
     key = id(qs)
     if key not in _weights:
@@ -395,6 +402,9 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
     if x2 is not None:  # the repeat call: from the plan to the bound launches, nothing else
         m = x2.shape[0]
         plan = w.launches.get((m, x.dtype, bias is not None, trans, config, ftz))
+        if plan is _DEQUANT and x2.is_contiguous() and x2.data_ptr() % 4 == 0:  # as the full path would pass x2
+            out = _dequant_run(x2, packed, w, bias, trans, ftz)  # the table's dequant path, chosen for this key
+            return out if x2 is x else out.view(*x.shape[:-1], out.shape[-1])
         if plan and _plan_fits(x2, packed, bias):
             n_out = w.K if trans else w.N
             out = _run_plan(plan, x2, packed, bias, m, n_out, w.device.index)
@@ -410,13 +420,14 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
     if m == 0 or n_out == 0:
         return torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     asked = config
+    key = (m, x.dtype, bias is not None, trans, asked, ftz)
     if config is None:
         config = tuned(_device_name(x.device), m, trans, n=w.N, k=w.K)
     if config.path == "dequant":
+        w.launches[key] = _DEQUANT  # the same key always takes this path (the table depends on nothing else)
         return _dequant_run(x2, packed, w, bias, trans, ftz).reshape(*lead, n_out)
     interpreting = runtime.interpreting(x.device)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    key = (m, x.dtype, bias is not None, trans, asked, ftz)
     plan = w.launches.get(key)
     if plan and _plan_fits(x2, packed, bias):
         return _run_plan(plan, x2, packed, bias, m, n_out, w.device.index, out).reshape(*lead, n_out)
@@ -473,6 +484,9 @@ def _run_plan(plan, x2, packed, bias, m: int, n_out: int, device_index: int, out
     return out
 
 
+_DEQUANT = ("dequant",)  # w.launches' mark of a key that the table sends to the dequant path
+
+
 def _dequant_run(x2, packed, w: _Weight, bias, trans: bool, ftz: bool) -> torch.Tensor:
     """nf4.dequantize into a scratch weight, then cuBLAS (the table's dequant path)."""
     return dense_product(x2, _dequantize(packed, _qs_of(w, packed), ftz=ftz), bias, trans)
@@ -481,7 +495,8 @@ def _dequant_run(x2, packed, w: _Weight, bias, trans: bool, ftz: bool) -> torch.
 def dense_product(x, wt, bias, trans: bool) -> torch.Tensor:
     """The cuBLAS product of the dequant path on the dequantized weight wt [N, K] converted to x's dtype: x @ W
     (trans) or F.linear(x, W, bias); nf4.ops' opaque op runs this same call under torch.compile."""
-    wt = wt.to(x.dtype)
+    if wt.dtype is not x.dtype:
+        wt = wt.to(x.dtype)
     return x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
 
 
@@ -539,15 +554,29 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 
 def _repeat(x, packed, quant_state, w: _Weight, bias):
-    """`run` for a repeat call that needs no checks beyond these (else None: the full path decides)."""
-    if (x.dtype in _X_DTYPES and w.fused and x.is_cuda and x.get_device() == w.device.index and x.shape[-1] == w.K
+    """`run` (or, where autograd records, `_LinearFn`) for a repeat call that needs no checks beyond these (else
+    None: the full path decides). The caller disables __torch_function__ for a Params4bit `packed`."""
+    if (x.dtype in _X_DTYPES and w.fused and x.get_device() == w.index and x.shape[-1] == w.K
             and w.matches(quant_state, packed)
             and (bias is None or (type(bias) is torch.Tensor and bias.dtype is x.dtype and bias.dim() == 1
-                                  and bias.shape[0] == w.N and bias.get_device() == w.device.index))
-            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+                                  and bias.shape[0] == w.N and bias.get_device() == w.index))
             and not torch.compiler.is_compiling()):
-        return run(x, packed, w, bias)
+        ftz = w.index >= 0  # the device's default, as the full path sets it: on for CUDA, off on the CPU
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            # training: the backward runs later on autograd's thread, with __torch_function__ on again, so it gets
+            # a plain alias of the packed bytes (no copy)
+            return _LinearFn.apply(x, bias, _plain(packed), w, None, ftz)
+        return run(x, packed, w, bias, ftz=ftz)
     return None
+
+
+def _plain(packed: torch.Tensor) -> torch.Tensor:
+    """A plain torch.Tensor over the same storage as `packed` (itself when it is one): a Params4bit's methods
+    dispatch through Python __torch_function__, about 2 us each, and the backward calls several."""
+    if type(packed) is torch.Tensor:
+        return packed
+    with _NO_TORCH_FUNCTION():
+        return packed.as_subclass(torch.Tensor)
 
 
 def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None = None, *,
@@ -562,19 +591,18 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
     bias. config: a `nf4.LinearConfig` (default: the tuned table's choice for this GPU and M).
     ftz: as in `nf4.dequantize` (default on for CUDA, off on CPU). Inputs are never modified.
     """
-    # The repeat call: a validated weight, x of a fused dtype, no autograd, not compiling.
-    if quant_state is not None and config is None and ftz is None:
-        w = _weights.get(id(quant_state))
-        if w is not None and type(x) is torch.Tensor:
+    # The repeat call: a validated weight, x of a fused dtype on its device, not compiling (with or without grad).
+    if config is None and ftz is None and type(x) is torch.Tensor and isinstance(weight, torch.Tensor):
+        qs = quant_state if quant_state is not None else getattr(weight, "quant_state", None)  # a Params4bit's own
+        w = _weights.get(id(qs)) if qs is not None else None
+        if w is not None:
             if type(weight) is torch.Tensor:
-                y = _repeat(x, weight, quant_state, w, bias)
-            elif isinstance(weight, torch.Tensor):
+                y = _repeat(x, weight, qs, w, bias)
+            else:
                 # A Params4bit (bitsandbytes' Linear4bit passes its weight so) turns every method call into a
                 # Python __torch_function__ dispatch; none is needed to read its metadata and pointer.
                 with _NO_TORCH_FUNCTION():
-                    y = _repeat(x, weight, quant_state, w, bias)
-            else:
-                y = None
+                    y = _repeat(x, weight, qs, w, bias)
             if y is not None:
                 return y
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
@@ -599,5 +627,5 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
         return linear_op(x, packed, (w.absmax, w.absmax2, w.code2, w.offset, w.N, w.K, w.blocksize, w.dtype), bias,
                          ftz)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return _LinearFn.apply(x, bias, packed, w, config, ftz)
+        return _LinearFn.apply(x, bias, _plain(packed), w, config, ftz)
     return _forward(x, packed, w, bias, config, ftz)
