@@ -119,22 +119,20 @@ def profiles(layer, x, dy, contexts: dict, calls: int = 200) -> dict:
     with contexts["nf4_fused"]():
         out["nf4_fused forward"] = profile_text(lambda: layer(x), calls)
         ys = [layer(x) for _ in range(calls + 2)]
-        node = ys[0].grad_fn
-        while node is not None and type(node).__name__ in ("ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0"):
-            node = node.next_functions[0][0]  # down to the linear's own node
         it = iter(ys)
-        out["nf4_fused backward node"] = f"node {type(node).__name__}\n" + profile_text(
-            lambda: _backward_node(next(it), dy), calls)
+        out["nf4_fused backward node"] = profile_text(lambda: _backward_node(next(it), dy), calls)
         del ys
         torch.cuda.synchronize()
     return out
 
 
 def _backward_node(y, dy):
+    """The backward of the linear's own autograd node on dy, called on this thread (a Python autograd.Function's node
+    through its `apply`, which runs the Function's backward; a C++ node is called)."""
     node = y.grad_fn
     while type(node).__name__ in ("ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0"):
         node = node.next_functions[0][0]
-    return node(dy)
+    return node.apply(dy) if hasattr(node, "_forward_cls") else node(dy)
 
 
 def build_layer(n: int, k: int, seed: int):

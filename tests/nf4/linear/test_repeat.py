@@ -1,4 +1,5 @@
-"""`nf4.linear`'s repeat call (CPU tensors, Triton's interpreter): with and without autograd, in every call form
+"""`nf4.linear`'s repeat call (CPU tensors in Triton's interpreter, or a CUDA GPU's compiled kernels and bound
+launches, whichever this process has): with and without autograd, in every call form
 that keeps a QuantState (packed + QuantState, a Params4bit), it skips the checks and computes what the full path
 computes, bit for bit, and never serves a stale weight: a QuantState whose tensors were replaced, bytes changed in
 place, a Params4bit whose `.data` was swapped, each read anew. The table's dequant path, remembered per key, is
@@ -20,9 +21,12 @@ from nf4.linear import api as linear_api
 from nf4.linear.kernel import nf4_gemv_kernel
 from verify.exact import assert_bitexact
 
+INTERPRETED = isinstance(nf4_gemv_kernel, InterpretedFunction)
+DEVICE = "cpu" if INTERPRETED else "cuda"  # the interpreter runs CPU tensors; compiled kernels a GPU's
 pytestmark = pytest.mark.skipif(
-    not isinstance(nf4_gemv_kernel, InterpretedFunction),
-    reason="needs Triton's interpreter: TRITON_INTERPRET=1 before triton is imported (conftest sets it without CUDA)",
+    not INTERPRETED and not torch.cuda.is_available(),
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported; conftest sets it without CUDA) "
+           "or a CUDA GPU",
 )
 
 N, K = 37, 128
@@ -52,14 +56,14 @@ def _params4bit(nf4h, seed):
     data = nf4h.make_weight((N, K), torch.float32, seed)
     try:
         return bnb.nn.Params4bit(data, requires_grad=False, quant_type="nf4", compress_statistics=True,
-                                 blocksize=64)._quantize("cpu")
+                                 blocksize=64)._quantize(DEVICE)
     except (RuntimeError, NotImplementedError, AttributeError) as exc:  # a build without CPU quantization
         pytest.skip(f"bitsandbytes cannot quantize on the CPU here: {exc}")
 
 
 def _forms(nf4h, seed):
     """(name, weight argument, quant_state argument, packed, QuantState) for each form with a remembered state."""
-    packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=seed)
+    packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=seed, device=DEVICE)
     p = _params4bit(nf4h, seed + 1)
     return [("packed+qs", packed, qs, packed, qs), ("Params4bit", p, None, p.data, p.quant_state),
             ("Params4bit+qs", p, p.quant_state, p.data, p.quant_state)]
@@ -71,9 +75,9 @@ def test_repeat_call_skips_checks_and_equals_the_full_path(nf4h, lin, full_calls
     for name, weight, qs_arg, packed, qs in _forms(nf4h, nf4h.case_seed("repeat", grad, m)):
         wd = lin.operand(packed, qs, torch.bfloat16)
         cols = lin.columns(K, m, 3)
-        x, scales = lin.identity_rows(cols, torch.bfloat16, K, 4)
+        x, scales = lin.identity_rows(cols, torch.bfloat16, K, 4, device=DEVICE)
         rows = lin.columns(N, m, 5)
-        dy, dscales = lin.identity_rows(rows, torch.bfloat16, N, 6)
+        dy, dscales = lin.identity_rows(rows, torch.bfloat16, N, 6, device=DEVICE)
         outs, grads = [], []
         full_calls.clear()
         for _ in range(3):
@@ -94,10 +98,10 @@ def test_repeat_call_skips_checks_and_equals_the_full_path(nf4h, lin, full_calls
 
 
 def test_repeat_call_with_bias_grad(nf4h, lin, full_calls):
-    packed, qs = nf4h.quantize((N, K), torch.float16, 64, False, seed=nf4h.case_seed("repeat-bias"))
-    x = lin.randn((2, 5, K), torch.float16, 7)
-    bias = lin.randn((N,), torch.float16, 8).requires_grad_()
-    dy = lin.randn((2, 5, N), torch.float16, 9)
+    packed, qs = nf4h.quantize((N, K), torch.float16, 64, False, seed=nf4h.case_seed("repeat-bias"), device=DEVICE)
+    x = lin.randn((2, 5, K), torch.float16, 7, device=DEVICE)
+    bias = lin.randn((N,), torch.float16, 8, device=DEVICE).requires_grad_()
+    dy = lin.randn((2, 5, N), torch.float16, 9, device=DEVICE)
     results = []
     for _ in range(2):
         bias.grad = None
@@ -117,8 +121,8 @@ def test_repeat_call_reads_what_is_there_now(nf4h, lin, grad, change):
     p = _params4bit(nf4h, nf4h.case_seed("stale-repeat", change, grad))
     qs = p.quant_state
     cols, rows = lin.permutation(K, 61), lin.columns(N, K, 62)  # dY: one identity row per row of x
-    x, scales = lin.identity_rows(cols, torch.bfloat16, K, 63)
-    dy, dscales = lin.identity_rows(rows, torch.bfloat16, N, 64)
+    x, scales = lin.identity_rows(cols, torch.bfloat16, K, 63, device=DEVICE)
+    dy, dscales = lin.identity_rows(rows, torch.bfloat16, N, 64, device=DEVICE)
     nf4.linear(x, p)
     nf4.linear(x, p)
     if change == "absmax":
@@ -132,9 +136,11 @@ def test_repeat_call_reads_what_is_there_now(nf4h, lin, grad, change):
     elif change == "state2.code":
         qs.state2.code = qs.state2.code.flip(0).contiguous()
     elif change == "bytes":
-        p.data.copy_(torch.randint(0, 256, p.data.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6)))
+        p.data.copy_(torch.randint(0, 256, p.data.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+                     .to(DEVICE))
     else:  # a new packed tensor of the same size swapped in, as a loader or FSDP does
-        p.data = torch.randint(0, 256, p.data.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+        p.data = torch.randint(0, 256, p.data.shape, dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(7)).to(DEVICE)
     wd = lin.operand(p.data, qs, torch.bfloat16)
     xi = x.clone().requires_grad_(grad)
     y = nf4.linear(xi, p)
@@ -146,21 +152,25 @@ def test_repeat_call_reads_what_is_there_now(nf4h, lin, grad, change):
 
 def test_a_freed_weight_is_not_kept_alive(nf4h, lin):
     """The repeat call's memory (the validated state) holds no packed weight: a Params4bit used with grad and
-    dropped is freed, and its state's entry goes with its QuantState."""
+    dropped is freed (on a GPU its bytes go back to the allocator), and its state's entry goes with its QuantState."""
     import gc
     import weakref
 
+    x = lin.randn((3, K), torch.bfloat16, 65, device=DEVICE).requires_grad_()
+    gc.collect()
+    before = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
     p = _params4bit(nf4h, nf4h.case_seed("freed"))
-    x = lin.randn((3, K), torch.bfloat16, 65).requires_grad_()
-    for _ in range(2):
-        nf4.linear(x, p).sum().backward()
+    for _ in range(3):
+        torch.autograd.grad(nf4.linear(x, p).sum(), x)  # (no x.grad kept: memory is compared below)
     key = id(p.quant_state)
     assert key in linear_api._weights
-    data, state = weakref.ref(p.data), weakref.ref(p.quant_state)
+    param, state = weakref.ref(p), weakref.ref(p.quant_state)
     del p
     gc.collect()
-    assert data() is None and state() is None
+    assert param() is None and state() is None
     assert key not in linear_api._weights
+    if DEVICE == "cuda":
+        assert torch.cuda.memory_allocated() == before, "the packed weight's bytes are still allocated"
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
@@ -169,12 +179,13 @@ def test_dequant_path_remembered_per_key(nf4h, lin, grad):
     later calls go there without choosing again: the same bits as F.linear on nf4.dequantize's weight, and the
     backward's dY @ W likewise."""
     dequant = LinearConfig(path="dequant")
-    packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("dequant-key", grad))
+    packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("dequant-key", grad),
+                               device=DEVICE)
     wd = nf4.dequantize(packed, qs)
-    x = lin.randn((2, 6, K), torch.bfloat16, 66)
-    bias = lin.randn((N,), torch.bfloat16, 68)
+    x = lin.randn((2, 6, K), torch.bfloat16, 66, device=DEVICE)
+    bias = lin.randn((N,), torch.bfloat16, 68, device=DEVICE)
     rows = lin.columns(N, 12, 67)
-    dy, dscales = lin.identity_rows(rows, torch.bfloat16, N, 69)  # x.grad: rows of W, operand-exact
+    dy, dscales = lin.identity_rows(rows, torch.bfloat16, N, 69, device=DEVICE)  # x.grad: rows of W, operand-exact
     for i in range(3):
         xi = x.clone().requires_grad_(grad)
         y = nf4.linear(xi, packed, qs, bias=bias, config=dequant)
