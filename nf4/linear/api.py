@@ -398,17 +398,19 @@ def _fused_ok(x, w: _Weight, m: int) -> bool:
 def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfig | None = None,
         ftz: bool = True) -> torch.Tensor:
     """One fused launch on checked inputs: x [..., K] -> [..., N] (trans: x [..., N] -> [..., K])."""
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.numel() else None
-    if x2 is not None:  # the repeat call: from the plan to the bound launches, nothing else
-        m = x2.shape[0]
+    numel = x.numel()
+    if numel and x.is_contiguous():  # the repeat call: from the plan to the bound launches, nothing else
+        # (a contiguous x of any leading dimensions is its (M, K) matrix already: only its pointer is passed)
+        k_in = x.shape[-1]
+        m = numel // k_in
         plan = w.launches.get((m, x.dtype, bias is not None, trans, config, ftz))
-        if plan is _DEQUANT and x2.is_contiguous() and x2.data_ptr() % 4 == 0:  # as the full path would pass x2
-            out = _dequant_run(x2, packed, w, bias, trans, ftz)  # the table's dequant path, chosen for this key
+        if plan is _DEQUANT and x.data_ptr() % 4 == 0:  # the table's dequant path, chosen for this key
+            x2 = x if x.dim() == 2 else x.view(m, k_in)  # as the full path passes it
+            out = _dequant_run(x2, packed, w, bias, trans, ftz)
             return out if x2 is x else out.view(*x.shape[:-1], out.shape[-1])
-        if plan and _plan_fits(x2, packed, bias):
+        if plan and _plan_fits(x, packed, bias):
             n_out = w.K if trans else w.N
-            out = _run_plan(plan, x2, packed, bias, m, n_out, w.device.index)
-            return out if x2 is x else out.view(*x.shape[:-1], n_out)
+            return _run_plan(plan, x, packed, bias, m, n_out, w.device.index, x.new_empty((*x.shape[:-1], n_out)))
     lead = x.shape[:-1]
     m = math.prod(lead)
     x2 = x.reshape(m, x.shape[-1])
@@ -458,13 +460,15 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
 
 
 def _plan_fits(x2, packed, bias) -> bool:
-    """x (2-D), the packed bytes and the bias as a bound launch was made for: contiguous, 16-byte aligned."""
+    """x ((M, K), or contiguous with any leading dimensions), the packed bytes and the bias as a bound launch was made
+    for: contiguous, 16-byte aligned."""
     return (x2.is_contiguous() and x2.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
             and (bias is None or (bias.is_contiguous() and bias.data_ptr() % 16 == 0)))
 
 
 def _run_plan(plan, x2, packed, bias, m: int, n_out: int, device_index: int, out=None) -> torch.Tensor:
-    """The bound launches of a plan (`w.launches`) on x2 [m, K]: out [m, n_out] (allocated when None)."""
+    """The bound launches of a plan (`w.launches`) on x2 (contiguous, m rows of K): out, m rows of n_out
+    (allocated [m, n_out] when None)."""
     main, finish, part_numel = plan
     if out is None:
         out = x2.new_empty((m, n_out))

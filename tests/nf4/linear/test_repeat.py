@@ -98,6 +98,26 @@ def test_repeat_call_skips_checks_and_equals_the_full_path(nf4h, lin, full_calls
             assert_bitexact(g, lin.picked(wd, rows, dscales, torch.bfloat16), name=f"{name}, x.grad of call {i}")
 
 
+@pytest.mark.parametrize("lead", [(2, 3), (1, 9), (4, 1, 5)], ids=str)
+def test_repeat_call_with_leading_dimensions(nf4h, lin, full_calls, lead):
+    """x with leading dimensions takes the repeat call as its (M, K) matrix (a contiguous x is passed by pointer, no
+    reshape): the output has x's leading dimensions and the operand's bits."""
+    packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("repeat-lead", lead),
+                               device=DEVICE)
+    wd = lin.operand(packed, qs, torch.bfloat16)
+    m = 1
+    for d in lead:
+        m *= d
+    cols = lin.columns(K, m, 11)
+    x, scales = lin.identity_rows(cols, torch.bfloat16, K, 12, device=DEVICE)
+    want = lin.picked(wd.t(), cols, scales, torch.bfloat16).reshape(*lead, N)
+    for i in range(3):
+        y = nf4.linear(x.reshape(*lead, K), packed, qs)
+        assert tuple(y.shape) == (*lead, N)
+        assert_bitexact(y, want, name=f"call {i}")
+    assert len(full_calls) == 1
+
+
 def test_repeat_call_with_bias_grad(nf4h, lin, full_calls):
     packed, qs = nf4h.quantize((N, K), torch.float16, 64, False, seed=nf4h.case_seed("repeat-bias"), device=DEVICE)
     x = lin.randn((2, 5, K), torch.float16, 7, device=DEVICE)
