@@ -126,12 +126,22 @@ def bench_case(shape, dtype, provs, copy_gbs, *, reps=100, host=True):
     return rows
 
 
+FRESH_VIEWS = 1000  # more than host_time_pair_us' warm-up and batches call one form (20 + 15 x 50)
+
+
+def _each_once(f, views: list, qs):
+    """A call of f on the next of `views` (each a distinct tensor object) with qs; StopIteration past the last."""
+    it = iter(views)
+    return lambda _: f(next(it), qs)
+
+
 def call_forms(case="4096x4096:bf16", calls=100) -> list[dict]:
     """Host time per repeated call in every form a user or bitsandbytes uses, for nf4 and each peer,
     in batches alternating with an empty Triton JIT launch (each row: host_us beside jit_host_us).
 
     Forms: the Linear4bit module; its Params4bit; packed + QuantState; a fresh `.view(-1, 1)` of the
-    packed storage on every call (what bitsandbytes' MatMul4Bit.backward passes); a weight at a new
+    packed storage on every call (what bitsandbytes' MatMul4Bit.backward passes), made in the call and, as a
+    second row, made before the timed calls (a distinct view object per call); a weight at a new
     address on every call (as FSDP all-gathers it; rotating among copies); a new QuantState object
     every call (a shallow copy, whose cost every row includes; nf4's cache always misses); and, for
 nf4, the new-QuantState call with the plan cache turned off, and the miss paired with it (also with the
@@ -161,6 +171,10 @@ first-call template on). Every
         "params4bit": (lambda f: (lambda _: f(w, w.quant_state)), [None]),
         "packed + state": (lambda f: (lambda _: f(packed, qs)), [None]),
         "fresh view": (lambda f: (lambda _: f(packed.view(-1, 1), qs)), [None]),
+        # the same, the views made before the timed calls (each used once): the provider's cost alone, without the
+        # caller's own view (measured alone below)
+        "fresh view, made beforehand": (lambda f: _each_once(f, [packed.view(-1, 1) for _ in range(FRESH_VIEWS)], qs),
+                                        [None]),
         "new address": (lambda f: (lambda s: f(*s)), copies),
         # a shallow copy per call (its cost is in every provider's row): nf4's cache always misses
         "new QuantState": (lambda f: (lambda _: f(packed, copy.copy(qs))), [None]),

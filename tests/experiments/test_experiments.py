@@ -209,3 +209,19 @@ def test_sm75_variants_show_what_they_change(sm75_builds):
 def test_variant_modules_import_cleanly():
     for v in VARIANTS.values():
         assert importlib.import_module(v.module).__doc__
+
+
+def test_bench_fresh_view_form_hands_each_view_once():
+    """experiments bench's "fresh view, made beforehand" form: every call gets the next distinct view, never one
+    twice (StopIteration past the last), with the QuantState passed through."""
+    from experiments.bench import _each_once
+
+    packed = torch.arange(8, dtype=torch.uint8)
+    views = [packed.view(-1, 1) for _ in range(3)]
+    seen = []
+    call = _each_once(lambda v, qs: seen.append((id(v), qs)), views, "qs")
+    for _ in range(3):
+        call(None)
+    assert [i for i, _ in seen] == [id(v) for v in views] and {q for _, q in seen} == {"qs"}
+    with pytest.raises(StopIteration):
+        call(None)
