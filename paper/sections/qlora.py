@@ -5,9 +5,15 @@ exactness against bitsandbytes alone (or "bound" for the two modes that time a b
 macros carry the end-to-end bars of the fused linear (the train step at 1x512 and decode) with the best of nf4's
 own modes, and the bounds beside them: `no_matmul` (the 4-bit matmul at zero device time) and `dense` (a free
 dequantize and cuBLAS's matmuls). The bars are constants, evaluated here from the rows.
+
+results/qlora_runs/qlora_1x512_<gpu>_r<i>.json (the same command at 1x512 only, repeated at one commit) give the
+run-to-run spread of the step bar: the smallest, median and largest speedup of each of nf4's modes over those runs,
+and in how many the fused route reached the bar.
 """
 
 from __future__ import annotations
+
+import statistics
 
 from paper.latex import NM, Document, missing_box, num, pct, ratio, row, tex
 from paper.sections.linear import GPUS, load_per_gpu
@@ -22,10 +28,34 @@ MODES = (("nf4", r"\code{nf4.patched\_bitsandbytes()}"),
          ("dense", r"bound: a free dequantize, cuBLAS's matmuls"))
 
 
+RUNS = "qlora_runs"  # results/qlora_runs/qlora_1x512_<gpu>_r<i>.json: repeated runs at STEP_SHAPE
+
+
 def load(doc: Document) -> dict | None:
-    """{gpu tag: payload} for the files present, or None (each missing file noted)."""
+    """{gpu tag: payload} for the files present, or None (each missing file noted); the repeated runs of each GPU
+    under the key "<tag>_runs" (a list, empty when there are none)."""
     data = load_per_gpu(doc, (("qlora", " QLoRA step and decode"),), "qlora", "QLoRA table", folder="")
-    return {tag: kinds["qlora"] for tag, kinds in data.items()} if data else None
+    out = {tag: kinds["qlora"] for tag, kinds in data.items()} if data else {}
+    folder = doc.results / RUNS
+    for tag, _, label in GPUS:
+        names = sorted(p.name for p in folder.glob(f"qlora_{STEP_SHAPE}_{tag}_r*.json")) if folder.is_dir() else []
+        runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA spread, {label}")
+                for name in names]
+        out[f"{tag}_runs"] = [r for r in runs if isinstance(r, dict)]
+    return out or None
+
+
+def run_spread(runs: list) -> dict:
+    """{mode: sorted speedups at STEP_SHAPE} of nf4's modes over repeated runs, and "commits": their commits."""
+    spread: dict = {mode: [] for mode in OURS}
+    commits = set()
+    for payload in runs:
+        modes = _train(payload).get(STEP_SHAPE) or {}
+        for mode in OURS:
+            if mode in modes and modes[mode][0] is not None:
+                spread[mode].append(modes[mode][0])
+        commits.add(str((payload.get("env") or {}).get("commit") or "")[:7])
+    return {**{mode: sorted(v) for mode, v in spread.items()}, "commits": sorted(c for c in commits if c)}
 
 
 def _modes(entry: dict, exact_key: str) -> dict:
@@ -91,7 +121,21 @@ def build(doc: Document, data: dict | None) -> None:
             doc.macro(f"NFqloraBar{name}Mode{g}", tex(best[1]) if best else NM)
             for mode, stem in (("no_matmul", "NoMatmul"), ("dense", "Dense")):
                 doc.macro(f"NFqlora{name}{stem}{g}", ratio((modes.get(mode) or (None,))[0]))
+        _spread_macros(doc, g, data.get(f"{tag}_runs") or [])
     _table(doc, data)
+
+
+def _spread_macros(doc: Document, g: str, runs: list) -> None:
+    spread = run_spread(runs)
+    doc.macro(f"NFqloraRuns{g}", str(len(runs)) if runs else NM)
+    doc.macro(f"NFqloraRunsCommit{g}", tex(", ".join(spread["commits"])) if spread["commits"] else NM)
+    for mode, stem in (("nf4_fused", "Fused"), ("nf4", "Plain")):
+        values = spread[mode]
+        doc.macro(f"NFqloraRuns{stem}Min{g}", ratio(values[0]) if values else NM)
+        doc.macro(f"NFqloraRuns{stem}Median{g}", ratio(statistics.median(values)) if values else NM)
+        doc.macro(f"NFqloraRuns{stem}Max{g}", ratio(values[-1]) if values else NM)
+    fused = spread["nf4_fused"]
+    doc.macro(f"NFqloraRunsFusedAtBar{g}", str(sum(v >= STEP_FACTOR for v in fused)) if fused else NM)
 
 
 def _table(doc: Document, data: dict) -> None:

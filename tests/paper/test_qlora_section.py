@@ -55,3 +55,26 @@ def test_missing_file_gives_placeholders(tmp_path):
 
 def test_shape_label():
     assert qlora._shape("1x512") == r"1$\times$512"
+
+
+def test_repeated_runs_give_the_spread(tmp_path):
+    runs = tmp_path / "qlora_runs"
+    runs.mkdir()
+    for i, (plain, fused) in enumerate(((0.9, 1.2), (1.1, 1.1), (1.0, 1.16)), 1):
+        (runs / f"qlora_1x512_h100_r{i}.json").write_text(json.dumps(_payload(step=plain, fused=fused,
+                                                                               commit="fedcba9")))
+    (runs / "qlora_1x512_h200_r1.json").write_text(json.dumps({"env": {}, "rows": [{"shape": "1x512",
+                                                                                    "error": "OOM"}]}))
+    macros, _, _ = _generate(tmp_path, {"h100": _payload()})
+    assert macros["NFqloraRunsHOneHundred"] == "3" and macros["NFqloraRunsCommitHOneHundred"] == "fedcba9"
+    assert (macros["NFqloraRunsFusedMinHOneHundred"], macros["NFqloraRunsFusedMedianHOneHundred"],
+            macros["NFqloraRunsFusedMaxHOneHundred"]) == ("1.10", "1.16", "1.20")
+    assert (macros["NFqloraRunsPlainMinHOneHundred"], macros["NFqloraRunsPlainMaxHOneHundred"]) == ("0.90", "1.10")
+    assert macros["NFqloraRunsFusedAtBarHOneHundred"] == "2"  # 1.2 and 1.16 reach 1.15; 1.1 does not
+    # a run whose only row failed counts as a run but gives no speedup
+    assert macros["NFqloraRunsHTwoHundred"] == "1" and macros["NFqloraRunsFusedMinHTwoHundred"] == generate.NM
+
+
+def test_no_repeated_runs_give_placeholders(tmp_path):
+    macros, _, _ = _generate(tmp_path, {"h100": _payload()})
+    assert macros["NFqloraRunsHOneHundred"] == generate.NM and macros["NFqloraRunsFusedAtBarHOneHundred"] == generate.NM
