@@ -83,6 +83,25 @@ class LinearTestHelpers:
         cols = torch.as_tensor(cols, dtype=torch.int64, device=wmat.device)
         return (scales[:, None].float() * wmat.float()[cols] + 0.0).to(dtype)
 
+    STATE_CHANGES = ("absmax", "state2.absmax", "dtype", "offset", "state2.code")
+
+    @staticmethod
+    def replace_in_state(qs, change: str) -> None:
+        """Replace one of a QuantState's attributes (STATE_CHANGES) by another tensor or dtype, as a caller that
+        edits its state between calls does: every one changes the decoded weight."""
+        if change == "absmax":
+            qs.absmax = torch.roll(qs.absmax, 1).contiguous()
+        elif change == "state2.absmax":
+            qs.state2.absmax = qs.state2.absmax * 2
+        elif change == "dtype":
+            qs.dtype = torch.float16
+        elif change == "offset":
+            qs.offset = qs.offset + 0.5
+        elif change == "state2.code":
+            qs.state2.code = qs.state2.code.flip(0).contiguous()
+        else:
+            raise ValueError(f"change must be one of {LinearTestHelpers.STATE_CHANGES}, got {change!r}")
+
     @staticmethod
     def columns(n: int, count: int, seed: int) -> torch.Tensor:
         """`count` random columns of n (with repeats), from a seeded generator."""

@@ -282,13 +282,7 @@ def test_inputs_unchanged(nf4h, lin, double_quant, config_name):
 
 
 
-@pytest.mark.parametrize("change", [
-    "absmax",
-    "state2.absmax",
-    "dtype",
-    "offset",
-    "state2.code",
-])
+@pytest.mark.parametrize("change", ["absmax", "state2.absmax", "dtype", "offset", "state2.code"])  # lin.STATE_CHANGES
 def test_quant_state_replaced_between_calls(nf4h, lin, change):
     """After a call, one of the QuantState's attributes is replaced by another tensor (or dtype): the
     next call decodes what the state holds now, like nf4.dequantize."""
@@ -297,16 +291,7 @@ def test_quant_state_replaced_between_calls(nf4h, lin, change):
     x, scales = lin.identity_rows(cols, torch.bfloat16, K, 62)
     nf4.linear(x, packed, qs)
     nf4.linear(x, packed, qs)  # a second call: whatever is remembered for this state is in place
-    if change == "absmax":
-        qs.absmax = torch.roll(qs.absmax, 1).contiguous()
-    elif change == "state2.absmax":
-        qs.state2.absmax = qs.state2.absmax * 2
-    elif change == "dtype":
-        qs.dtype = torch.float16
-    elif change == "offset":
-        qs.offset = qs.offset + 0.5
-    else:
-        qs.state2.code = qs.state2.code.flip(0).contiguous()
+    lin.replace_in_state(qs, change)
     wd = lin.operand(packed, qs, torch.bfloat16)
     assert_bitexact(nf4.linear(x, packed, qs), lin.picked(wd.t(), cols, scales, torch.bfloat16),
                     name=f"after replacing {change}")

@@ -146,16 +146,8 @@ def test_repeat_call_reads_what_is_there_now(nf4h, lin, grad, change):
     dy, dscales = lin.identity_rows(rows, torch.bfloat16, N, 64, device=DEVICE)
     nf4.linear(x, p)
     nf4.linear(x, p)
-    if change == "absmax":
-        qs.absmax = torch.roll(qs.absmax, 1).contiguous()
-    elif change == "state2.absmax":
-        qs.state2.absmax = qs.state2.absmax * 2
-    elif change == "dtype":
-        qs.dtype = torch.float16
-    elif change == "offset":
-        qs.offset = qs.offset + 0.5
-    elif change == "state2.code":
-        qs.state2.code = qs.state2.code.flip(0).contiguous()
+    if change in lin.STATE_CHANGES:
+        lin.replace_in_state(qs, change)
     elif change == "bytes":
         p.data.copy_(torch.randint(0, 256, p.data.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
                      .to(DEVICE))
