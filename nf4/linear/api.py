@@ -408,7 +408,7 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
             x2 = x if x.dim() == 2 else x.view(m, k_in)  # as the full path passes it
             out = _dequant_run(x2, packed, w, bias, trans, ftz)
             return out if x2 is x else out.view(*x.shape[:-1], out.shape[-1])
-        if plan and _plan_fits(x, packed, bias):
+        if plan and _aligned_ptrs(x, packed, bias):  # (x is contiguous here)
             n_out = w.K if trans else w.N
             return _run_plan(plan, x, packed, bias, m, n_out, w.device.index, x.new_empty((*x.shape[:-1], n_out)))
     lead = x.shape[:-1]
@@ -460,9 +460,14 @@ def run(x, packed, w: _Weight, bias, *, trans: bool = False, config: LinearConfi
 
 
 def _plan_fits(x2, packed, bias) -> bool:
-    """x ((M, K), or contiguous with any leading dimensions), the packed bytes and the bias as a bound launch was made
-    for: contiguous, 16-byte aligned."""
-    return (x2.is_contiguous() and x2.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
+    """x (M, K), the packed bytes and the bias as a bound launch was made for: contiguous, 16-byte aligned."""
+    return x2.is_contiguous() and _aligned_ptrs(x2, packed, bias)
+
+
+def _aligned_ptrs(x, packed, bias) -> bool:
+    """`_plan_fits` for an x known to be contiguous (of any leading dimensions): the pointers 16-byte aligned, the
+    bias contiguous."""
+    return (x.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
             and (bias is None or (bias.is_contiguous() and bias.data_ptr() % 16 == 0)))
 
 

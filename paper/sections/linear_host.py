@@ -31,14 +31,20 @@ def load(doc: Document) -> dict | None:
     return {tag: kinds["host"] for tag, kinds in data.items()} if data else None
 
 
-def jit_units(payload: dict) -> dict:
-    """{(N, K, M, phase, form): host time / the paired empty JIT launch} of a payload's rows."""
+def timed(payload: dict) -> dict:
+    """{(N, K, M, phase, form): (host us, host time / the paired empty JIT launch)} of a payload's timed rows."""
     out = {}
     for r in payload.get("rows") or []:
         if not isinstance(r, dict) or "error" in r or not r.get("jit_host_us") or r.get("host_us") is None:
             continue
-        out[(r.get("N"), r.get("K"), r.get("M"), r.get("phase"), r.get("form"))] = r["host_us"] / r["jit_host_us"]
+        out[(r.get("N"), r.get("K"), r.get("M"), r.get("phase"), r.get("form"))] = (r["host_us"],
+                                                                                    r["host_us"] / r["jit_host_us"])
     return out
+
+
+def jit_units(payload: dict) -> dict:
+    """{(N, K, M, phase, form): host time / the paired empty JIT launch} of a payload's timed rows."""
+    return {key: units for key, (_, units) in timed(payload).items()}
 
 
 def _weights(data: dict) -> list[tuple[int, int]]:
@@ -70,9 +76,7 @@ def _table(doc: Document, data: dict, weights) -> None:
         doc.write("linear_host_table.tex", missing_box(r"results/linear/host\_<gpu>.json (\texttt{python -m "
                                                        r"experiments linear-host} on a GPU)"))
         return
-    units = {tag: jit_units(data[tag]) for tag, _ in shown}
-    hosts = {tag: {(r.get("N"), r.get("K"), r.get("M"), r.get("phase"), r.get("form")): r.get("host_us")
-                   for r in data[tag].get("rows") or [] if isinstance(r, dict)} for tag, _ in shown}
+    rows = {tag: timed(data[tag]) for tag, _ in shown}
     cols = [(tag, phase) for tag, _ in shown for phase, _ in PHASES]
     lines = [r"\begin{tabular}{@{}ll" + "r" * len(cols) + "@{}}", r"\toprule",
              " & & " + " & ".join(rf"\multicolumn{{{len(PHASES)}}}{{c}}{{{tex(label)}}}" for _, label in shown)
@@ -83,9 +87,8 @@ def _table(doc: Document, data: dict, weights) -> None:
         for form, label in FORMS:
             cells = [rf"{n}$\times${k}" if first else "", label]
             for tag, phase in cols:
-                key = (n, k, M, phase, form)
-                u, h = units[tag].get(key), hosts[tag].get(key)
-                cells.append(f"{num(h, 0)} ({num(u, 1)})" if u is not None and h is not None else NM)
+                h_u = rows[tag].get((n, k, M, phase, form))
+                cells.append(f"{num(h_u[0], 0)} ({num(h_u[1], 1)})" if h_u else NM)
             lines.append(row(cells))
             first = False
         lines.append(r"\addlinespace")
