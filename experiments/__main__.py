@@ -1,4 +1,4 @@
-"""python -m experiments {list, run, sm75, bench, bench-linear, probe, gemv-limit, linear-host, qlora,
+"""python -m experiments {list, run, sm75, bench, bench-linear, probe, gemv-limit, gemm-limit, linear-host, qlora,
 fsdp-qlora}: see experiments/README.md.
 
 Without a CUDA device, TRITON_INTERPRET=1 is set here, before anything imports triton, so that
@@ -36,6 +36,9 @@ def main(argv=None) -> int:
                    "and eager (experiments.compile_dequant)", add_help=False)
     sub.add_parser("gemv-limit", help="GPU (or --sass-only): nf4.linear at M = 1 cut into its loads and its decode, "
                    "and its main loop's SASS (experiments.gemv_limit)", add_help=False)
+    sub.add_parser("gemm-limit", help="GPU (or --sass-only): nf4.linear's tl.dot kernel at M = 128-1024 cut into "
+                   "its decode, its layout and its tensor-core loop, and their SASS (experiments.gemm_limit)",
+                   add_help=False)
     sub.add_parser("linear-host", help="GPU: host time of one 4-bit linear as a QLoRA step calls it, per mode and "
                    "call form (experiments.linear_host)", add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit",
-                            "linear-host"):
+                            "gemm-limit", "linear-host"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])
