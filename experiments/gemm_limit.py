@@ -11,7 +11,9 @@ weights and CUDA-graph device time:
   its operand first (x identity rows: the output is nf4.dequantize(W)^T, bit for bit);
 - `probe: lookup` (`gemm_limit_kernel` MODE 0): the production loop itself (the same grid, tile, stages, loads,
   product tables, prmt lookups, layout of the decoded tile and tl.dot) with its float32 partial sums stored as
-  they are (no split sum): that the probe kernel reproduces the production's time;
+  they are (no split sum), built with M and SPLIT specialized by Triton's JIT (M's divisibility by 16, SPLIT 1
+  a constant); `probe: lookup, M and SPLIT unspecialized`: the same, with M and SPLIT passed as nf4_gemm_word_kernel
+  declares them (`do_not_specialize`, one build for every M);
 - `probe: no lookup` (MODE 1): the same loop with the product tables and the prmt lookups replaced by four bit
   operations per word that keep every load live (words and both absmax levels still read): the decode's cost;
 - `probe: dense operand` (MODE 2): the same grid and tile multiplying the bfloat16 weight (nf4.dequantize's)
@@ -47,7 +49,9 @@ from .bench_linear import floors, make_weights, mismatches
 DEFAULT_SHAPES = ("14336x4096", "4096x4096")
 DEFAULT_MS = (128, 256, 512, 1024)
 X_DT = {torch.float16: 1, torch.bfloat16: 2}  # the kernels' dtype codes
-PROBES = {"probe: lookup": 0, "probe: no lookup": 1, "probe: dense operand": 2}
+# part -> (gemm_limit_kernel's MODE, whether M and SPLIT are passed unspecialized, as nf4_gemm_word_kernel takes them)
+PROBES = {"probe: lookup": (0, False), "probe: lookup, M and SPLIT unspecialized": (0, True),
+          "probe: no lookup": (1, False), "probe: dense operand": (2, False)}
 
 
 def config_for(m: int) -> linear_config.LinearConfig:
@@ -55,8 +59,7 @@ def config_for(m: int) -> linear_config.LinearConfig:
     return linear_config.WORD_GEMM128 if m <= 128 else linear_config.WORD_GEMM256
 
 
-@triton.jit
-def gemm_limit_kernel(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
+def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
                       M, N, K, KB, SPLIT, SEG,
                       BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, X_DT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
@@ -113,7 +116,16 @@ def gemm_limit_kernel(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, cod
     tl.store(out_ptr + (pid_k * M + m[:, None]) * N + rows[None, :], acc, mask=m_ok[:, None] & row_ok[None, :])
 
 
-def probe_args(x, packed, qs, dense, out, config: linear_config.LinearConfig, mode: int) -> tuple[tuple, dict, dict]:
+gemm_limit_kernel = triton.jit(_gemm_limit)
+# the same kernel with M and SPLIT unspecialized, as nf4_gemm_word_kernel declares them (one build for every M)
+gemm_limit_kernel_dynamic = triton.jit(_gemm_limit, do_not_specialize=["M", "SPLIT"])
+
+
+def kernel_of(part: str):
+    return gemm_limit_kernel_dynamic if PROBES[part][1] else gemm_limit_kernel
+
+
+def probe_args(x, packed, qs, dense, out, config: linear_config.LinearConfig, part: str) -> tuple[tuple, dict, dict]:
     """(grid, kernel arguments, launch options) of a probe with the production launch's grid, tile and split."""
     m = x.shape[0]
     w = linear_api.weight_state(packed, qs)
@@ -125,18 +137,19 @@ def probe_args(x, packed, qs, dense, out, config: linear_config.LinearConfig, mo
             "M": m, "N": w.N, "K": w.K, "KB": w.K // 2, "SPLIT": split, "SEG": seg,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
-            "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode}
+            "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": PROBES[part][0]}
     grid = (split * triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n),)
     return grid, args, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
-def probe_call(x, packed, qs, dense, config: linear_config.LinearConfig, mode: int):
+def probe_call(x, packed, qs, dense, config: linear_config.LinearConfig, part: str):
     """A callable launching one probe (its float32 partial sums into a buffer of its own)."""
-    grid, args, options = probe_args(x, packed, qs, dense, None, config, mode)
+    grid, args, options = probe_args(x, packed, qs, dense, None, config, part)
+    kernel = kernel_of(part)
     args["out_ptr"] = torch.empty((args["SPLIT"], x.shape[0], args["N"]), dtype=torch.float32, device=x.device)
 
     def call(_):
-        gemm_limit_kernel[grid](**args, **options)
+        kernel[grid](**args, **options)
 
     return call
 
@@ -172,8 +185,8 @@ def measure(shape: str, m: int, dtype, copy_gbs: float, log=print) -> list[dict]
 
     row("production", lambda i: nf4.linear(x, *sets[i % len(sets)], config=config), len(sets),
         operand_mismatches=mismatches(got, want))
-    for part, mode in PROBES.items():
-        calls = [probe_call(x, p, qs, dense[i % 2], config, mode) for i, (p, qs) in enumerate(sets)]
+    for part in PROBES:
+        calls = [probe_call(x, p, qs, dense[i % 2], config, part) for i, (p, qs) in enumerate(sets)]
         row(part, lambda i, calls=calls: calls[i % len(calls)](None), len(calls))
     row("cuBLAS", lambda i: torch.nn.functional.linear(x, dense[i % 2]), 2)
     row("nf4.dequantize + cuBLAS", lambda i: torch.nn.functional.linear(x, nf4.dequantize(*sets[i % len(sets)])),
@@ -203,7 +216,7 @@ def sass_mix(n: int, k: int, m: int, dtype, arch: int) -> dict:
                                       config, True, False, torch.empty(1, device=meta))
     fn, _, args, options = launches[0]
     builds = {"production": (fn, args, options)}
-    for part, mode in PROBES.items():
+    for part, (mode, _) in PROBES.items():
         split, seg = linear_api.split_k(config, w, m, False, meta)
         pargs = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
                  "absmax2_ptr": w.absmax2, "code2_ptr": w.code2, "offset_ptr": w.offset,
@@ -211,7 +224,7 @@ def sass_mix(n: int, k: int, m: int, dtype, arch: int) -> dict:
                  "SEG": seg, "BLOCKSIZE": 64, "DOUBLE_QUANT": True, "FTZ": True, "X_DT": X_DT[dtype],
                  "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
                  "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode}
-        builds[part] = (gemm_limit_kernel, pargs, options)
+        builds[part] = (kernel_of(part), pargs, options)
     out = {"arch": arch, "M": m, "N": n, "K": k, "config": str(config)}
     for part, (kernel, kargs, opts) in builds.items():
         out[part] = _sass_of(kernel, kargs, opts, arch)
