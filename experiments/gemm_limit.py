@@ -49,9 +49,12 @@ from .bench_linear import floors, make_weights, mismatches
 DEFAULT_SHAPES = ("14336x4096", "4096x4096")
 DEFAULT_MS = (128, 256, 512, 1024)
 X_DT = {torch.float16: 1, torch.bfloat16: 2}  # the kernels' dtype codes
-# part -> (gemm_limit_kernel's MODE, whether M and SPLIT are passed unspecialized, as nf4_gemm_word_kernel takes them)
-PROBES = {"probe: lookup": (0, False), "probe: lookup, M and SPLIT unspecialized": (0, True),
-          "probe: no lookup": (1, False), "probe: dense operand": (2, False)}
+# part -> (gemm_limit_kernel's MODE, whether M and SPLIT are passed unspecialized as nf4_gemm_word_kernel takes them,
+# its EPILOGUE)
+PROBES = {"probe: lookup": (0, False, 0), "probe: lookup, M and SPLIT unspecialized": (0, True, 0),
+          "probe: lookup, production's store": (0, True, 1),
+          "probe: lookup, rounded before the transpose": (0, True, 2),
+          "probe: no lookup": (1, False, 0), "probe: dense operand": (2, False, 0)}
 
 
 def config_for(m: int) -> linear_config.LinearConfig:
@@ -63,10 +66,12 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
                       M, N, K, KB, SPLIT, SEG,
                       BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, X_DT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                      SWAP: tl.constexpr, EVICT: tl.constexpr, MODE: tl.constexpr):
+                      SWAP: tl.constexpr, EVICT: tl.constexpr, MODE: tl.constexpr, EPILOGUE: tl.constexpr):
     """nf4_gemm_word_kernel's loop (PARTIAL: float32 sums [SPLIT, M, N] stored, no bias). MODE 0: its decode
     (product tables, prmt lookups); 1: each word's four pairs from bit operations on the word and the absmax bits
-    instead; 2: the tile read as bfloat16/float16 from dense_ptr [N, K] (no packed bytes, no absmax)."""
+    instead; 2: the tile read as bfloat16/float16 from dense_ptr [N, K] (no packed bytes, no absmax). EPILOGUE 0:
+    the float32 sums stored; 1: rounded to x's dtype after the transpose of SWAP's accumulator (the production's
+    store, into [M, N] of split 0); 2: rounded before the transpose."""
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     KW = KB // 4
     pid = tl.program_id(0)
@@ -111,9 +116,25 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
             acc = tl.dot(w, tl.trans(xk), acc)
         else:
             acc = tl.dot(xk, tl.trans(w), acc)
-    if SWAP:
-        acc = tl.trans(acc)
-    tl.store(out_ptr + (pid_k * M + m[:, None]) * N + rows[None, :], acc, mask=m_ok[:, None] & row_ok[None, :])
+    ok = m_ok[:, None] & row_ok[None, :]
+    if X_DT == 2:
+        dt = tl.bfloat16
+    else:
+        dt = tl.float16
+    if EPILOGUE == 0:
+        if SWAP:
+            acc = tl.trans(acc)
+        tl.store(out_ptr + (pid_k * M + m[:, None]) * N + rows[None, :], acc, mask=ok)
+    else:
+        if EPILOGUE == 2:
+            y = acc.to(dt)
+            if SWAP:
+                y = tl.trans(y)
+        else:
+            if SWAP:
+                acc = tl.trans(acc)
+            y = acc.to(dt)
+        tl.store(out_ptr.to(tl.pointer_type(dt)) + m[:, None] * N + rows[None, :], y, mask=ok)
 
 
 gemm_limit_kernel = triton.jit(_gemm_limit)
@@ -137,7 +158,8 @@ def probe_args(x, packed, qs, dense, out, config: linear_config.LinearConfig, pa
             "M": m, "N": w.N, "K": w.K, "KB": w.K // 2, "SPLIT": split, "SEG": seg,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
-            "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": PROBES[part][0]}
+            "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": PROBES[part][0],
+            "EPILOGUE": PROBES[part][2]}
     grid = (split * triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n),)
     return grid, args, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
@@ -216,14 +238,15 @@ def sass_mix(n: int, k: int, m: int, dtype, arch: int) -> dict:
                                       config, True, False, torch.empty(1, device=meta))
     fn, _, args, options = launches[0]
     builds = {"production": (fn, args, options)}
-    for part, (mode, _) in PROBES.items():
+    for part, (mode, _, epilogue) in PROBES.items():
         split, seg = linear_api.split_k(config, w, m, False, meta)
         pargs = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
                  "absmax2_ptr": w.absmax2, "code2_ptr": w.code2, "offset_ptr": w.offset,
                  "out_ptr": torch.empty(1, device=meta), "M": m, "N": n, "K": k, "KB": k // 2, "SPLIT": split,
                  "SEG": seg, "BLOCKSIZE": 64, "DOUBLE_QUANT": True, "FTZ": True, "X_DT": X_DT[dtype],
                  "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
-                 "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode}
+                 "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode,
+                 "EPILOGUE": epilogue}
         builds[part] = (kernel_of(part), pargs, options)
     out = {"arch": arch, "M": m, "N": n, "K": k, "config": str(config)}
     for part, (kernel, kargs, opts) in builds.items():
