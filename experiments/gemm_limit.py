@@ -54,6 +54,8 @@ X_DT = {torch.float16: 1, torch.bfloat16: 2}  # the kernels' dtype codes
 PROBES = {"probe: lookup": (0, False, 0), "probe: lookup, M and SPLIT unspecialized": (0, True, 0),
           "probe: lookup, production's store": (0, True, 1),
           "probe: lookup, rounded before the transpose": (0, True, 2),
+          "probe: lookup, stored untransposed": (0, True, 3),
+          "probe: lookup, stored as 16-bit integers": (0, True, 4),
           "probe: no lookup": (1, False, 0), "probe: dense operand": (2, False, 0)}
 
 
@@ -71,7 +73,8 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
     (product tables, prmt lookups); 1: each word's four pairs from bit operations on the word and the absmax bits
     instead; 2: the tile read as bfloat16/float16 from dense_ptr [N, K] (no packed bytes, no absmax). EPILOGUE 0:
     the float32 sums stored; 1: rounded to x's dtype after the transpose of SWAP's accumulator (the production's
-    store, into [M, N] of split 0); 2: rounded before the transpose."""
+    store, into [M, N] of split 0); 2: rounded before the transpose; 3: rounded, SWAP's accumulator stored as it is
+    through transposed addresses; 4: as 1 with the rounded bits stored as uint16."""
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     KW = KB // 4
     pid = tl.program_id(0)
@@ -125,6 +128,18 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
         if SWAP:
             acc = tl.trans(acc)
         tl.store(out_ptr + (pid_k * M + m[:, None]) * N + rows[None, :], acc, mask=ok)
+    elif EPILOGUE == 3:
+        y = acc.to(dt)
+        if SWAP:
+            tl.store(out_ptr.to(tl.pointer_type(dt)) + m[None, :] * N + rows[:, None], y,
+                     mask=m_ok[None, :] & row_ok[:, None])
+        else:
+            tl.store(out_ptr.to(tl.pointer_type(dt)) + m[:, None] * N + rows[None, :], y, mask=ok)
+    elif EPILOGUE == 4:
+        if SWAP:
+            acc = tl.trans(acc)
+        y = acc.to(dt).to(tl.uint16, bitcast=True)
+        tl.store(out_ptr.to(tl.pointer_type(tl.uint16)) + m[:, None] * N + rows[None, :], y, mask=ok)
     else:
         if EPILOGUE == 2:
             y = acc.to(dt)
