@@ -56,6 +56,8 @@ PROBES = {"probe: lookup": (0, False, 0), "probe: lookup, M and SPLIT unspeciali
           "probe: lookup, rounded before the transpose": (0, True, 2),
           "probe: lookup, stored untransposed": (0, True, 3),
           "probe: lookup, stored as 16-bit integers": (0, True, 4),
+          "probe: lookup, rounded, stored as float32": (0, True, 5),
+          "probe: lookup, stored as 32-bit pairs": (0, True, 6),
           "probe: no lookup": (1, False, 0), "probe: dense operand": (2, False, 0)}
 
 
@@ -74,7 +76,8 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
     instead; 2: the tile read as bfloat16/float16 from dense_ptr [N, K] (no packed bytes, no absmax). EPILOGUE 0:
     the float32 sums stored; 1: rounded to x's dtype after the transpose of SWAP's accumulator (the production's
     store, into [M, N] of split 0); 2: rounded before the transpose; 3: rounded, SWAP's accumulator stored as it is
-    through transposed addresses; 4: as 1 with the rounded bits stored as uint16."""
+    through transposed addresses; 4: as 1 with the rounded bits stored as uint16; 5: rounded, then widened back and
+    stored as float32; 6: rounded, two neighbouring outputs of a row packed into one 32-bit word and stored."""
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     KW = KB // 4
     pid = tl.program_id(0)
@@ -135,6 +138,19 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
                      mask=m_ok[None, :] & row_ok[:, None])
         else:
             tl.store(out_ptr.to(tl.pointer_type(dt)) + m[:, None] * N + rows[None, :], y, mask=ok)
+    elif EPILOGUE == 5:
+        if SWAP:
+            acc = tl.trans(acc)
+        tl.store(out_ptr + (pid_k * M + m[:, None]) * N + rows[None, :], acc.to(dt).to(tl.float32), mask=ok)
+    elif EPILOGUE == 6:
+        if SWAP:
+            acc = tl.trans(acc)
+        even, odd = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        pair = (even.to(dt).to(tl.uint16, bitcast=True).to(tl.uint32)
+                | (odd.to(dt).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+        j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + m[:, None] * (N // 2) + j[None, :], pair,
+                 mask=m_ok[:, None] & (j < N // 2)[None, :])
     elif EPILOGUE == 4:
         if SWAP:
             acc = tl.trans(acc)
