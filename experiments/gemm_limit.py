@@ -58,12 +58,19 @@ PROBES = {"probe: lookup": (0, False, 0), "probe: lookup, M and SPLIT unspeciali
           "probe: lookup, stored as 16-bit integers": (0, True, 4),
           "probe: lookup, rounded, stored as float32": (0, True, 5),
           "probe: lookup, stored as 32-bit pairs": (0, True, 6),
+          "probe: lookup, stored by PTX from the accumulator's layout": (0, True, 7),
           "probe: no lookup": (1, False, 0), "probe: dense operand": (2, False, 0)}
 
 
 def config_for(m: int) -> linear_config.LinearConfig:
     """The word GEMM config the tuned table runs (or, past 256 rows, the one its sweeps ran) at M rows of x."""
     return linear_config.WORD_GEMM128 if m <= 128 else linear_config.WORD_GEMM256
+
+
+_ST_BF16 = tl.constexpr("{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.rn.bf16.f32 h, $2; "
+                        "@p st.global.b16 [$1], h; mov.b32 $0, 0; }")
+_ST_F16 = tl.constexpr("{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.rn.f16.f32 h, $2; "
+                       "@p st.global.b16 [$1], h; mov.b32 $0, 0; }")
 
 
 def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
@@ -77,7 +84,8 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
     the float32 sums stored; 1: rounded to x's dtype after the transpose of SWAP's accumulator (the production's
     store, into [M, N] of split 0); 2: rounded before the transpose; 3: rounded, SWAP's accumulator stored as it is
     through transposed addresses; 4: as 1 with the rounded bits stored as uint16; 5: rounded, then widened back and
-    stored as float32; 6: rounded, two neighbouring outputs of a row packed into one 32-bit word and stored."""
+    stored as float32; 6: rounded, two neighbouring outputs of a row packed into one 32-bit word and stored; 7: each
+    output rounded and stored by PTX (`st.global.b16`) from the register that holds it (no layout conversion)."""
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     KW = KB // 4
     pid = tl.program_id(0)
@@ -151,6 +159,16 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
         j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + m[:, None] * (N // 2) + j[None, :], pair,
                  mask=m_ok[:, None] & (j < N // 2)[None, :])
+    elif EPILOGUE == 7:
+        if SWAP:
+            acc = tl.trans(acc)
+        ptrs = out_ptr.to(tl.pointer_type(tl.uint16)) + m[:, None] * N + rows[None, :]
+        if X_DT == 2:
+            tl.inline_asm_elementwise(_ST_BF16, "=r,l,r,r", [ptrs, acc, ok.to(tl.int32)], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_ST_F16, "=r,l,r,r", [ptrs, acc, ok.to(tl.int32)], dtype=tl.int32,
+                                      is_pure=False, pack=1)
     elif EPILOGUE == 4:
         if SWAP:
             acc = tl.trans(acc)
