@@ -74,7 +74,7 @@ _ST_F16 = tl.constexpr("{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.r
 
 
 def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
-                      M, N, K, KB, SPLIT, SEG,
+                      out_addr, M, N, K, KB, SPLIT, SEG,
                       BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, X_DT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                       SWAP: tl.constexpr, EVICT: tl.constexpr, MODE: tl.constexpr, EPILOGUE: tl.constexpr):
@@ -162,7 +162,7 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
     elif EPILOGUE == 7:
         if SWAP:
             acc = tl.trans(acc)
-        ptrs = out_ptr.to(tl.pointer_type(tl.uint16)) + m[:, None] * N + rows[None, :]
+        ptrs = out_addr + 2 * (m[:, None] * N + rows[None, :]).to(tl.int64)  # byte addresses of the outputs
         if X_DT == 2:
             tl.inline_asm_elementwise(_ST_BF16, "=r,l,r,r", [ptrs, acc, ok.to(tl.int32)], dtype=tl.int32,
                                       is_pure=False, pack=1)
@@ -203,7 +203,7 @@ def probe_args(x, packed, qs, dense, out, config: linear_config.LinearConfig, pa
     dummy = torch.zeros(16, dtype=torch.float32, device=x.device)
     args = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
             "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
-            "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out,
+            "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out, "out_addr": 0,
             "M": m, "N": w.N, "K": w.K, "KB": w.K // 2, "SPLIT": split, "SEG": seg,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
@@ -218,6 +218,7 @@ def probe_call(x, packed, qs, dense, config: linear_config.LinearConfig, part: s
     grid, args, options = probe_args(x, packed, qs, dense, None, config, part)
     kernel = kernel_of(part)
     args["out_ptr"] = torch.empty((args["SPLIT"], x.shape[0], args["N"]), dtype=torch.float32, device=x.device)
+    args["out_addr"] = args["out_ptr"].data_ptr()
 
     def call(_):
         kernel[grid](**args, **options)
@@ -291,7 +292,8 @@ def sass_mix(n: int, k: int, m: int, dtype, arch: int) -> dict:
         split, seg = linear_api.split_k(config, w, m, False, meta)
         pargs = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
                  "absmax2_ptr": w.absmax2, "code2_ptr": w.code2, "offset_ptr": w.offset,
-                 "out_ptr": torch.empty(1, device=meta), "M": m, "N": n, "K": k, "KB": k // 2, "SPLIT": split,
+                 "out_ptr": torch.empty(1, device=meta), "out_addr": 2**40, "M": m, "N": n, "K": k, "KB": k // 2,
+                 "SPLIT": split,
                  "SEG": seg, "BLOCKSIZE": 64, "DOUBLE_QUANT": True, "FTZ": True, "X_DT": X_DT[dtype],
                  "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
                  "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode,
