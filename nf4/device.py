@@ -177,28 +177,6 @@ def store_rounded(out_ptr, idx, y, mask, BF16_BITS: tl.constexpr, STORE_CM: tl.c
     tl.store(out_ptr + idx, y_out, mask=mask, cache_modifier=STORE_CM, eviction_policy=STORE_EVICT)
 
 
-_ST_RN = ("{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.rn.%s.f32 h, $2; @p st.global.b16 [$1], h; "
-          "mov.b32 $0, 0; }")
-ST_RN_BF16 = tl.constexpr(_ST_RN % "bf16")
-ST_RN_F16 = tl.constexpr(_ST_RN % "f16")
-
-
-@triton.jit
-def store_rounded_ptx(out_ptr, idx, y, mask, DT: tl.constexpr):
-    """Round float32 `y` to dtype code DT (1 float16, 2 bfloat16; RNE, as `round_to`: the same cvt.rn) and store
-    element i at out_ptr + idx[i] where mask[i], one PTX `st.global.b16` per element from the register that holds
-    it. A tl.dot accumulator stored so needs no layout conversion: Triton converts a 16-bit one through shared
-    memory (stmatrix), after which ptxas waits for every wgmma of the main loop before the next step
-    (experiments gemm-limit measured the difference). GPU only (PTX); out_ptr: a 16-bit element type."""
-    addr = out_ptr.to(tl.int64) + 2 * idx.to(tl.int64)
-    if DT == 2:
-        tl.inline_asm_elementwise(ST_RN_BF16, "=r,l,r,r", [addr, y, mask.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(ST_RN_F16, "=r,l,r,r", [addr, y, mask.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
 @triton.jit
 def round_to(y, DT: tl.constexpr, BF16_BITS: tl.constexpr):
     """float32 `y` rounded (RNE) to dtype code DT (0 float32, 1 float16, 2 bfloat16), in that dtype."""

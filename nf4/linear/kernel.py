@@ -46,7 +46,6 @@ from nf4.device import (
     operand,
     product_table,
     round_to,
-    store_rounded_ptx,
     table_pairs,
     widen,
 )
@@ -835,7 +834,4 @@ def nf4_gemm_word_kernel(
     else:
         if HAS_BIAS:
             acc = acc + widen(tl.load(bias_ptr + rows, mask=row_ok, other=0.0), BF16_BITS)[None, :]
-        if ASM and not BF16_BITS:  # from the accumulator's registers (store_rounded_ptx says why)
-            store_rounded_ptx(out_ptr, m[:, None] * N + rows[None, :], acc, ok, X_DT)
-        else:
-            tl.store(out_ptr + m[:, None] * N + rows[None, :], round_to(acc, X_DT, BF16_BITS), mask=ok)
+        tl.store(out_ptr + m[:, None] * N + rows[None, :], round_to(acc, X_DT, BF16_BITS), mask=ok)
