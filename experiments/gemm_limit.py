@@ -59,6 +59,7 @@ PROBES = {"probe: lookup": (0, False, 0), "probe: lookup, M and SPLIT unspeciali
           "probe: lookup, rounded, stored as float32": (0, True, 5),
           "probe: lookup, stored as 32-bit pairs": (0, True, 6),
           "probe: lookup, stored by PTX from the accumulator's layout": (0, True, 7),
+          "probe: lookup, rounded with 32-bit integers": (0, True, 8),
           "probe: no lookup": (1, False, 0), "probe: dense operand": (2, False, 0)}
 
 
@@ -169,6 +170,12 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
         else:
             tl.inline_asm_elementwise(_ST_F16, "=r,l,r,r", [ptrs, acc, ok.to(tl.int32)], dtype=tl.int32,
                                       is_pure=False, pack=1)
+    elif EPILOGUE == 8:
+        if SWAP:
+            acc = tl.trans(acc)
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(out_ptr.to(tl.pointer_type(tl.uint16)) + m[:, None] * N + rows[None, :], bits.to(tl.uint16), mask=ok)
     elif EPILOGUE == 4:
         if SWAP:
             acc = tl.trans(acc)
