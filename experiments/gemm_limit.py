@@ -11,9 +11,14 @@ weights and CUDA-graph device time:
   its operand first (x identity rows: the output is nf4.dequantize(W)^T, bit for bit);
 - `probe: lookup` (`gemm_limit_kernel` MODE 0): the production loop itself (the same grid, tile, stages, loads,
   product tables, prmt lookups, layout of the decoded tile and tl.dot) with its float32 partial sums stored as
-  they are (no split sum), built with M and SPLIT specialized by Triton's JIT (M's divisibility by 16, SPLIT 1
-  a constant); `probe: lookup, M and SPLIT unspecialized`: the same, with M and SPLIT passed as nf4_gemm_word_kernel
-  declares them (`do_not_specialize`, one build for every M);
+  they are (no split sum), built with M and SPLIT specialized by Triton's JIT; `..., M and SPLIT unspecialized`: the
+  same, built as nf4_gemm_word_kernel declares them (`do_not_specialize`, one build for every M);
+- the same loop with other stores of its output (EPILOGUE): the production's (rounded to x's dtype after the
+  transpose of the swapped accumulator), rounded before the transpose, stored untransposed, as uint16, as 32-bit
+  pairs, rounded with integer operations, or rounded and widened back to float32. On the H100 and H200 (Triton 3.6)
+  every store of 16-bit values, the pairs too, measured slower than the float32 stores at M >= 256 on 14336x4096;
+  the SASS says why: ptxas waits for every wgmma of the main loop (`wgmma_waits`: each wait leaves 0 groups
+  pending) where Triton stores the accumulator so, and keeps them asynchronous where it stores float32;
 - `probe: no lookup` (MODE 1): the same loop with the product tables and the prmt lookups replaced by four bit
   operations per word that keep every load live (words and both absmax levels still read): the decode's cost;
 - `probe: dense operand` (MODE 2): the same grid and tile multiplying the bfloat16 weight (nf4.dequantize's)
@@ -23,8 +28,10 @@ weights and CUDA-graph device time:
 None of the probes is exact (they compute nothing the user wants); they run only here, are not variants of the
 registry (whose variants are operand-exact before they are timed), and are reached from no product code.
 
-Offline, `sass_mix` compiles the production launch and each probe for the GPU's architecture and counts the
-SASS instructions of its main loop by opcode (nvdisasm, bundled with Triton): what one step of one warp issues.
+`sass_mix` compiles the production launch and each probe for the GPU's architecture with the installed Triton and
+counts the SASS instructions of its main loop by opcode (nvdisasm, bundled with Triton), and the kernel's wgmma waits
+by the groups each leaves pending. Where ptxas serializes the wgmma depends on the Triton and ptxas versions: the
+GPU run records the GPU machine's (the offline --sass-only count uses this machine's).
 """
 
 from __future__ import annotations
@@ -58,7 +65,6 @@ PROBES = {"probe: lookup": (0, False, 0), "probe: lookup, M and SPLIT unspeciali
           "probe: lookup, stored as 16-bit integers": (0, True, 4),
           "probe: lookup, rounded, stored as float32": (0, True, 5),
           "probe: lookup, stored as 32-bit pairs": (0, True, 6),
-          "probe: lookup, stored by PTX from the accumulator's layout": (0, True, 7),
           "probe: lookup, rounded with 32-bit integers": (0, True, 8),
           "probe: no lookup": (1, False, 0), "probe: dense operand": (2, False, 0)}
 
@@ -68,25 +74,19 @@ def config_for(m: int) -> linear_config.LinearConfig:
     return linear_config.WORD_GEMM128 if m <= 128 else linear_config.WORD_GEMM256
 
 
-_ST_BF16 = tl.constexpr("{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.rn.bf16.f32 h, $2; "
-                        "@p st.global.b16 [$1], h; mov.b32 $0, 0; }")
-_ST_F16 = tl.constexpr("{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.rn.f16.f32 h, $2; "
-                       "@p st.global.b16 [$1], h; mov.b32 $0, 0; }")
-
-
 def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
-                      out_addr, M, N, K, KB, SPLIT, SEG,
-                      BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, X_DT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                      SWAP: tl.constexpr, EVICT: tl.constexpr, MODE: tl.constexpr, EPILOGUE: tl.constexpr):
+                M, N, K, KB, SPLIT, SEG,
+                BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, X_DT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                SWAP: tl.constexpr, EVICT: tl.constexpr, MODE: tl.constexpr, EPILOGUE: tl.constexpr):
     """nf4_gemm_word_kernel's loop (PARTIAL: float32 sums [SPLIT, M, N] stored, no bias). MODE 0: its decode
     (product tables, prmt lookups); 1: each word's four pairs from bit operations on the word and the absmax bits
     instead; 2: the tile read as bfloat16/float16 from dense_ptr [N, K] (no packed bytes, no absmax). EPILOGUE 0:
     the float32 sums stored; 1: rounded to x's dtype after the transpose of SWAP's accumulator (the production's
     store, into [M, N] of split 0); 2: rounded before the transpose; 3: rounded, SWAP's accumulator stored as it is
     through transposed addresses; 4: as 1 with the rounded bits stored as uint16; 5: rounded, then widened back and
-    stored as float32; 6: rounded, two neighbouring outputs of a row packed into one 32-bit word and stored; 7: each
-    output rounded and stored by PTX (`st.global.b16`) from the register that holds it (no layout conversion)."""
+    stored as float32; 6: rounded, two neighbouring outputs of a row packed into one 32-bit word and stored; 8:
+    rounded (RNE, bfloat16 only) with 32-bit integer operations, truncated to 16 bits just before Triton's store."""
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     KW = KB // 4
     pid = tl.program_id(0)
@@ -160,16 +160,6 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
         j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + m[:, None] * (N // 2) + j[None, :], pair,
                  mask=m_ok[:, None] & (j < N // 2)[None, :])
-    elif EPILOGUE == 7:
-        if SWAP:
-            acc = tl.trans(acc)
-        ptrs = out_addr + 2 * (m[:, None] * N + rows[None, :]).to(tl.int64)  # byte addresses of the outputs
-        if X_DT == 2:
-            tl.inline_asm_elementwise(_ST_BF16, "=r,l,r,r", [ptrs, acc, ok.to(tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(_ST_F16, "=r,l,r,r", [ptrs, acc, ok.to(tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
     elif EPILOGUE == 8:
         if SWAP:
             acc = tl.trans(acc)
@@ -210,7 +200,7 @@ def probe_args(x, packed, qs, dense, out, config: linear_config.LinearConfig, pa
     dummy = torch.zeros(16, dtype=torch.float32, device=x.device)
     args = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
             "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
-            "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out, "out_addr": 0,
+            "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out,
             "M": m, "N": w.N, "K": w.K, "KB": w.K // 2, "SPLIT": split, "SEG": seg,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
@@ -225,7 +215,6 @@ def probe_call(x, packed, qs, dense, config: linear_config.LinearConfig, part: s
     grid, args, options = probe_args(x, packed, qs, dense, None, config, part)
     kernel = kernel_of(part)
     args["out_ptr"] = torch.empty((args["SPLIT"], x.shape[0], args["N"]), dtype=torch.float32, device=x.device)
-    args["out_addr"] = args["out_ptr"].data_ptr()
 
     def call(_):
         kernel[grid](**args, **options)
@@ -299,7 +288,7 @@ def sass_mix(n: int, k: int, m: int, dtype, arch: int) -> dict:
         split, seg = linear_api.split_k(config, w, m, False, meta)
         pargs = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
                  "absmax2_ptr": w.absmax2, "code2_ptr": w.code2, "offset_ptr": w.offset,
-                 "out_ptr": torch.empty(1, device=meta), "out_addr": 2**40, "M": m, "N": n, "K": k, "KB": k // 2,
+                 "out_ptr": torch.empty(1, device=meta), "M": m, "N": n, "K": k, "KB": k // 2,
                  "SPLIT": split,
                  "SEG": seg, "BLOCKSIZE": 64, "DOUBLE_QUANT": True, "FTZ": True, "X_DT": X_DT[dtype],
                  "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),

@@ -291,7 +291,15 @@ def _sass_of(fn, args: dict, options: dict, arch: int) -> dict:
     loop = _main_loop(sass)
     regs = re.search(r"REG:(\d+)", res)
     return {"kernel": fn.__name__, "num_warps": options["num_warps"], "registers": int(regs.group(1)) if regs else None,
-            "loop_instructions": len(loop), "loop_opcodes": dict(Counter(loop).most_common())}
+            "loop_instructions": len(loop), "loop_opcodes": dict(Counter(loop).most_common()),
+            "wgmma_waits": wgmma_waits(sass)}
+
+
+def wgmma_waits(sass: str) -> dict[str, int]:
+    """{groups left pending: count} of the kernel's wgmma waits (`WARPGROUP.DEPBAR.LE gsb0, 0xN`): a main loop that
+    keeps its wgmma asynchronous waits with N > 0; ptxas serializes them (every wait 0) when it cannot."""
+    return {str(int(n, 16)): c for n, c in sorted(Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)",
+                                                                     sass)).items())}
 
 
 def sass_mix(n: int, k: int, dtype, config: linear_config.LinearConfig, arch: int) -> dict:

@@ -43,6 +43,7 @@ from paper.sections import (
     claims,
     codebook,
     experiments,
+    gemm_limit,
     gemv_limit,
     known,
     linear,
@@ -81,6 +82,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/probe_<gpu>.json", probe.build, probe.load(doc))
     doc.section("results/linear/", linear.build, linear.load(doc))
     doc.section("results/linear/gemv_limit_<gpu>.json", gemv_limit.build, gemv_limit.load(doc))
+    doc.section("results/linear/gemm_limit_<gpu>.json", gemm_limit.build, gemm_limit.load(doc))
     doc.section("results/qlora_<gpu>.json", qlora.build, qlora.load(doc))
     doc.section("results/linear/host_<gpu>.json", linear_host.build, linear_host.load(doc))
     doc.section("paper/published_claims.json", claims.build, Path(claims_path))

@@ -8,7 +8,8 @@ dequantize and cuBLAS's matmuls). The bars are constants, evaluated here from th
 
 results/qlora_runs/qlora_1x512_<gpu>_r<i>.json (the same command at 1x512 only, repeated at one commit) give the
 run-to-run spread of the step bar: the smallest, median and largest speedup of each of nf4's modes over those runs,
-and in how many the fused route reached the bar.
+and in how many the fused route reached the bar; results/qlora_runs/qlora_1x512_s40_<gpu>.json, one run with 40
+timed steps per mode (against 10), its speedups.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MODES = (("nf4", r"\code{nf4.patched\_bitsandbytes()}"),
 
 
 RUNS = "qlora_runs"  # results/qlora_runs/qlora_1x512_<gpu>_r<i>.json: repeated runs at STEP_SHAPE
+LONG = "s40"  # results/qlora_runs/qlora_1x512_s40_<gpu>.json: one run of STEP_SHAPE with more timed steps
 
 
 def load(doc: Document) -> dict | None:
@@ -42,6 +44,11 @@ def load(doc: Document) -> dict | None:
         runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA spread, {label}")
                 for name in names]
         out[f"{tag}_runs"] = [r for r in runs if isinstance(r, dict)]
+        long_name = f"{RUNS}/qlora_{STEP_SHAPE}_{LONG}_{tag}.json"
+        if (doc.results / long_name).exists():
+            long_run = doc.load(long_name, label="experiments qlora", required_for=f"QLoRA long run, {label}")
+            if isinstance(long_run, dict):
+                out[f"{tag}_long"] = long_run
     return out or None
 
 
@@ -122,7 +129,23 @@ def build(doc: Document, data: dict | None) -> None:
             for mode, stem in (("no_matmul", "NoMatmul"), ("dense", "Dense")):
                 doc.macro(f"NFqlora{name}{stem}{g}", ratio((modes.get(mode) or (None,))[0]))
         _spread_macros(doc, g, data.get(f"{tag}_runs") or [])
+        _long_macros(doc, g, data.get(f"{tag}_long") or {})
     _table(doc, data)
+
+
+def _long_macros(doc: Document, g: str, payload: dict) -> None:
+    """The run of STEP_SHAPE with more timed steps: its steps per mode, commit, and each mode's speedup."""
+    row_ = next((r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("shape") == STEP_SHAPE
+                 and "error" not in r), {})
+    doc.macro(f"NFqloraLongSteps{g}", str((row_.get("bnb") or {}).get("n")) if (row_.get("bnb") or {}).get("n")
+              else NM)
+    env = payload.get("env") or {}
+    doc.macro(f"NFqloraLongCommit{g}", tex(str(env.get("commit") or "")[:7]) if env.get("commit") else NM)
+    modes = _modes(row_, "bitexact_vs_bnb") if row_ else {}
+    for mode, stem in (("nf4_fused", "Fused"), ("nf4", "Plain"), ("dense", "Dense")):
+        doc.macro(f"NFqloraLong{stem}{g}", ratio((modes.get(mode) or (None,))[0]))
+    fused = (modes.get("nf4_fused") or (None,))[0]
+    doc.macro(f"NFqloraLongBar{g}", NM if fused is None else ("met" if fused >= STEP_FACTOR else "missed"))
 
 
 def _spread_macros(doc: Document, g: str, runs: list) -> None:
