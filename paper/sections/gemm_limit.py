@@ -10,7 +10,7 @@ instruction counts per step.
 from __future__ import annotations
 
 from paper.latex import NM, Document, integer, missing_box, ratio, row, shape_tex, tex, us
-from paper.sections.linear import GPUS, load_per_gpu
+from paper.sections.linear import GPUS, MID_FACTOR, load_per_gpu
 
 SHAPE = (14336, 4096)
 SHOWN_M = 512
@@ -72,15 +72,20 @@ def build(doc: Document, data: dict | None) -> None:
         for name, num_part, den_part in (("StoreCost", "probe: lookup, production's store", "probe: lookup"),
                                          ("DecodeCost", "probe: lookup", "probe: no lookup"),
                                          ("DenseOverCublas", "probe: dense operand", "cuBLAS"),
-                                         ("LookupOverDequant", "probe: lookup", "nf4.dequantize + cuBLAS")):
+                                         ("LookupOverDequant", "probe: lookup", "nf4.dequantize + cuBLAS"),
+                                         ("NoLookupOverDequant", "probe: no lookup", "nf4.dequantize + cuBLAS")):
             q = _quotient(t, SHOWN_M, num_part, den_part)
             doc.macro(f"NFglim{name}{g}", ratio(q) if q else NM)
+        dequant = t.get((*SHAPE, SHOWN_M, "nf4.dequantize + cuBLAS"))
+        # bar (c): MID_FACTOR times faster than nf4.dequantize + cuBLAS, i.e. at most this device time
+        doc.macro(f"NFglimBarTime{g}", us(dequant / MID_FACTOR) if dequant else NM)
         sass = [s for s in payload.get("sass") or [] if isinstance(s, dict)]
         s256 = next((s for s in sass if s.get("M") == 256), sass[0] if sass else {})
         for part, name in (("production", "Production"), ("probe: no lookup", "NoLookup"),
                            ("probe: dense operand", "Dense")):
             doc.macro(f"NFglimLoop{name}{g}", integer((s256.get(part) or {}).get("loop_instructions")))
-        for part, name in (("production", "Production"), ("probe: lookup", "Lookup")):
+        for part, name in (("production", "Production"), ("probe: lookup", "Lookup"),
+                           ("probe: dense operand", "Dense")):
             doc.macro(f"NFglimPending{name}{g}", integer(most_pending((s256.get(part) or {}).get("wgmma_waits"))))
     _table(doc, data)
 
