@@ -8,8 +8,8 @@ dequantize and cuBLAS's matmuls). The bars are constants, evaluated here from th
 
 results/qlora_runs/qlora_1x512_<gpu>_r<i>.json (the same command at 1x512 only, repeated at one commit) give the
 run-to-run spread of the step bar: the smallest, median and largest speedup of each of nf4's modes over those runs,
-and in how many the fused route reached the bar; results/qlora_runs/qlora_1x512_s40_<gpu>.json, one run with 40
-timed steps per mode (against 10), its speedups.
+and in how many the fused route reached the bar; results/qlora_runs/qlora_1x512_s40_<gpu>_r<i>.json, runs with 40
+timed steps per mode (against 10 in the first repeats), the same statistics (and the dense bound's).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ MODES = (("nf4", r"\code{nf4.patched\_bitsandbytes()}"),
 
 
 RUNS = "qlora_runs"  # results/qlora_runs/qlora_1x512_<gpu>_r<i>.json: repeated runs at STEP_SHAPE
-LONG = "s40"  # results/qlora_runs/qlora_1x512_s40_<gpu>.json: one run of STEP_SHAPE with more timed steps
+LONG = "s40"  # results/qlora_runs/qlora_1x512_s40_<gpu>_r<i>.json: runs of STEP_SHAPE with 40 timed steps a mode
 
 
 def load(doc: Document) -> dict | None:
@@ -44,11 +44,11 @@ def load(doc: Document) -> dict | None:
         runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA spread, {label}")
                 for name in names]
         out[f"{tag}_runs"] = [r for r in runs if isinstance(r, dict)]
-        long_name = f"{RUNS}/qlora_{STEP_SHAPE}_{LONG}_{tag}.json"
-        if (doc.results / long_name).exists():
-            long_run = doc.load(long_name, label="experiments qlora", required_for=f"QLoRA long run, {label}")
-            if isinstance(long_run, dict):
-                out[f"{tag}_long"] = long_run
+        pattern = f"qlora_{STEP_SHAPE}_{LONG}_{tag}_r*.json"
+        names = sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
+        runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA 40-step runs, {label}")
+                for name in names]
+        out[f"{tag}_long"] = [r for r in runs if isinstance(r, dict)]
     return out or None
 
 
@@ -129,23 +129,29 @@ def build(doc: Document, data: dict | None) -> None:
             for mode, stem in (("no_matmul", "NoMatmul"), ("dense", "Dense")):
                 doc.macro(f"NFqlora{name}{stem}{g}", ratio((modes.get(mode) or (None,))[0]))
         _spread_macros(doc, g, data.get(f"{tag}_runs") or [])
-        _long_macros(doc, g, data.get(f"{tag}_long") or {})
+        _long_macros(doc, g, data.get(f"{tag}_long") or [])
     _table(doc, data)
 
 
-def _long_macros(doc: Document, g: str, payload: dict) -> None:
-    """The run of STEP_SHAPE with more timed steps: its steps per mode, commit, and each mode's speedup."""
-    row_ = next((r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("shape") == STEP_SHAPE
-                 and "error" not in r), {})
-    doc.macro(f"NFqloraLongSteps{g}", str((row_.get("bnb") or {}).get("n")) if (row_.get("bnb") or {}).get("n")
-              else NM)
-    env = payload.get("env") or {}
-    doc.macro(f"NFqloraLongCommit{g}", tex(str(env.get("commit") or "")[:7]) if env.get("commit") else NM)
-    modes = _modes(row_, "bitexact_vs_bnb") if row_ else {}
-    for mode, stem in (("nf4_fused", "Fused"), ("nf4", "Plain"), ("dense", "Dense")):
-        doc.macro(f"NFqloraLong{stem}{g}", ratio((modes.get(mode) or (None,))[0]))
-    fused = (modes.get("nf4_fused") or (None,))[0]
-    doc.macro(f"NFqloraLongBar{g}", NM if fused is None else ("met" if fused >= STEP_FACTOR else "missed"))
+def _long_macros(doc: Document, g: str, runs: list) -> None:
+    """The runs of STEP_SHAPE with more timed steps: their count, steps per mode and commits, and the smallest, median
+    and largest speedup of the fused route, the plain patch and the dense bound, and how many reached the bar."""
+    steps = sorted({((next((r for r in p.get("rows") or [] if isinstance(r, dict)), {}).get("bnb") or {}).get("n"))
+                    for p in runs} - {None})
+    doc.macro(f"NFqloraLong{g}", str(len(runs)) if runs else NM)
+    doc.macro(f"NFqloraLongSteps{g}", "/".join(str(v) for v in steps) if steps else NM)
+    spread = run_spread(runs)
+    doc.macro(f"NFqloraLongCommit{g}", tex(", ".join(spread["commits"])) if spread["commits"] else NM)
+    dense = sorted(v for v in ((_train(p).get(STEP_SHAPE) or {}).get("dense", (None,))[0] for p in runs)
+                   if v is not None)
+    for stem, values in (("Fused", spread["nf4_fused"]), ("Plain", spread["nf4"]), ("Dense", dense)):
+        doc.macro(f"NFqloraLong{stem}Min{g}", ratio(values[0]) if values else NM)
+        doc.macro(f"NFqloraLong{stem}Median{g}", ratio(statistics.median(values)) if values else NM)
+        doc.macro(f"NFqloraLong{stem}Max{g}", ratio(values[-1]) if values else NM)
+    fused = spread["nf4_fused"]
+    doc.macro(f"NFqloraLongFusedAtBar{g}", str(sum(v >= STEP_FACTOR for v in fused)) if fused else NM)
+    doc.macro(f"NFqloraLongBarMedian{g}", NM if not fused else
+              ("met" if statistics.median(fused) >= STEP_FACTOR else "missed"))
 
 
 def _spread_macros(doc: Document, g: str, runs: list) -> None:

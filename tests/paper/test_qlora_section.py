@@ -78,3 +78,26 @@ def test_repeated_runs_give_the_spread(tmp_path):
 def test_no_repeated_runs_give_placeholders(tmp_path):
     macros, _, _ = _generate(tmp_path, {"h100": _payload()})
     assert macros["NFqloraRunsHOneHundred"] == generate.NM and macros["NFqloraRunsFusedAtBarHOneHundred"] == generate.NM
+
+
+def test_longer_runs_give_their_own_spread_and_median_bar(tmp_path):
+    """The 40-step runs (qlora_1x512_s40_<gpu>_r<i>.json) are read apart from the 10-step repeats: their spread, the
+    dense bound's median, how many reached the bar, and the bar by the median (met at 1.16 over 1.10, 1.16, 1.30;
+    missed at 1.12 over 1.12, 1.12, 1.40)."""
+    runs = tmp_path / "qlora_runs"
+    runs.mkdir()
+    for tag, fuseds in (("h100", (1.10, 1.30, 1.16)), ("h200", (1.12, 1.40, 1.12))):
+        for i, fused in enumerate(fuseds, 1):
+            payload = _payload(step=1.0, fused=fused, bound=1.3 + i / 100, commit=f"{tag}abcd")
+            payload["rows"][0]["bnb"] = {"n": 40}
+            (runs / f"qlora_1x512_s40_{tag}_r{i}.json").write_text(json.dumps(payload))
+    (runs / "qlora_1x512_h100_r1.json").write_text(json.dumps(_payload(fused=2.0)))  # a 10-step repeat
+    macros, _, _ = _generate(tmp_path, {"h100": _payload()})
+    assert macros["NFqloraLongHOneHundred"] == "3" and macros["NFqloraLongStepsHOneHundred"] == "40"
+    assert (macros["NFqloraLongFusedMinHOneHundred"], macros["NFqloraLongFusedMedianHOneHundred"],
+            macros["NFqloraLongFusedMaxHOneHundred"]) == ("1.10", "1.16", "1.30")
+    assert macros["NFqloraLongDenseMedianHOneHundred"] == "1.42"  # the dense bound is bound + 0.1: 1.42 of 1.41-1.43
+    assert macros["NFqloraLongFusedAtBarHOneHundred"] == "2" and macros["NFqloraLongBarMedianHOneHundred"] == "met"
+    assert macros["NFqloraLongBarMedianHTwoHundred"] == "missed" and macros["NFqloraLongFusedAtBarHTwoHundred"] == "1"
+    assert macros["NFqloraRunsHOneHundred"] == "1" and macros["NFqloraRunsFusedMaxHOneHundred"] == "2.00"
+    assert macros["NFqloraLongCommitHTwoHundred"] == "h200abc"
