@@ -48,7 +48,7 @@ import triton.language as tl
 from nf4.device import absmax_of_block, product_table, table_pairs
 from nf4.linear import api as linear_api
 from nf4.linear import config as linear_config
-from nf4.linear.kernel import _grouped, _word_tile
+from nf4.linear.kernel import grouped, word_tile
 from verify import timing
 
 from .bench_linear import floors, make_weights, mismatches
@@ -91,7 +91,7 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
     KW = KB // 4
     pid = tl.program_id(0)
     pid_k = pid % SPLIT
-    pid_m, pid_n = _grouped(pid // SPLIT, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    pid_m, pid_n = grouped(pid // SPLIT, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     r = tl.minimum(rows, N - 1)
@@ -125,7 +125,7 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
                 p1 = (((word >> 4) & 0x0F0F0F0F) | 0x3C003C00) ^ a
                 p2 = (((word >> 8) & 0x0F0F0F0F) | 0x3C003C00) ^ a
                 p3 = (((word >> 12) & 0x0F0F0F0F) | 0x3C003C00) ^ a
-            w = _word_tile(p0, p1, p2, p3, X_DT)
+            w = word_tile(p0, p1, p2, p3, X_DT)
         xk = tl.load(xp + 2 * c0, mask=m_ok[:, None], other=0.0)
         if SWAP:
             acc = tl.dot(w, tl.trans(xk), acc)

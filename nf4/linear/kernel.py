@@ -631,7 +631,7 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _grouped(pid, n_m, n_o, GROUP: tl.constexpr):
+def grouped(pid, n_m, n_o, GROUP: tl.constexpr):
     """(tile along M, tile along the output dimension) of program `pid` in the tl.dot kernels' order: GROUP tiles
     along M for each output tile, so the programs that share a decoded W tile run together."""
     per_group = GROUP * n_o
@@ -654,7 +654,7 @@ def _gemm_tile(pid, x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offse
         n_o = tl.cdiv(N, BLOCK_N)
     else:
         n_o = tl.cdiv(KB, HALF)
-    pid_m, pid_o = _grouped(pid, tl.cdiv(M, BLOCK_M), n_o, GROUP)
+    pid_m, pid_o = grouped(pid, tl.cdiv(M, BLOCK_M), n_o, GROUP)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     if not TRANS:
@@ -744,7 +744,7 @@ def nf4_gemm_kernel(
 
 
 @triton.jit
-def _word_tile(p0, p1, p2, p3, X_DT: tl.constexpr):
+def word_tile(p0, p1, p2, p3, X_DT: tl.constexpr):
     """Four [H, R, W] uint32 tensors of weight pairs (`table_pairs`' order: pair j of word w holds elements
     8w + 2j (low half) and 8w + 2j + 1 (high half)) -> the [R, 8WH] tile of 16-bit weights in x's dtype (word
     w of part h at columns 8(hW + w) ..). Each join adds its new axis as the fastest register of a thread, so
@@ -785,7 +785,7 @@ def nf4_gemm_word_kernel(
     """x @ W^T (+ bias) by `tl.dot` (wgmma on Hopper) on W tiles decoded like the word GEMV's: a row's step is
     BLOCK_K / 8 words of packed bytes looked up with `prmt` in the row's 16-entry product table
     (`product_table`, built once per row and step), each 4 words laid out in element order as a
-    [BLOCK_N, 32] tile (`_word_tile`) and multiplied with x's 32 matching columns. Grid:
+    [BLOCK_N, 32] tile (`word_tile`) and multiplied with x's 32 matching columns. Grid:
     SPLIT * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs, GROUP tiles along M next to each other per W tile.
     SWAP: out^T = W @ x^T (the decoded tile as tl.dot's first operand). Needs W's dtype == x's, 4-byte aligned
     packed bytes and K a multiple of BLOCK_K (the API checks them); Triton's interpreter decodes with
@@ -794,7 +794,7 @@ def nf4_gemm_word_kernel(
     KW = KB // 4
     pid = tl.program_id(0)
     pid_k = pid % SPLIT
-    pid_m, pid_n = _grouped(pid // SPLIT, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    pid_m, pid_n = grouped(pid // SPLIT, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     r = tl.minimum(rows, N - 1)  # rows past the weight decode its last row (not stored)
@@ -820,7 +820,7 @@ def nf4_gemm_word_kernel(
             p0, p1, p2, p3 = table_pairs(word, t0, t1, t2, t3, t4, t5, t6, t7)
         else:
             p0, p1, p2, p3 = _word_pairs(word, amax, code_ptr, FTZ, X_DT, BF16_BITS)
-        w = _word_tile(p0, p1, p2, p3, X_DT)
+        w = word_tile(p0, p1, p2, p3, X_DT)
         xk = tl.load(xp + 2 * c0, mask=m_ok[:, None], other=0.0)
         if SWAP:
             acc = _dot(w, tl.trans(xk), acc, DOT_F32)

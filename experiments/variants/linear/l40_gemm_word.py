@@ -6,7 +6,7 @@ weight; here each thread owns one row of the tile and decodes that row's 64-weig
 block) as 8 words of packed bytes: the block's 16 products NF4[c] * absmax rounded to x's dtype are
 built once (cvt.rn.{bf16,f16}x2.f32, prmt: `nf4.device.product_table`) and each byte's two weights
 are prmt lookups in those registers (`table_pairs`), laid out in column order in the thread's
-registers (`_word_tile`) and handed to tl.dot as its first operand (swapped: out^T = W @ x^T).
+registers (`word_tile`) and handed to tl.dot as its first operand (swapped: out^T = W @ x^T).
 - l40: the table's WORD_GEMM128 tile (128 rows of W by 128 rows of x, 4 warps, 3 stages) in one
   launch (no split-K);
 - l41: split-K nearest 2 programs per multiprocessor, the partial sums added in order by a second
