@@ -37,8 +37,6 @@ GPU run records the GPU machine's (the offline --sass-only count uses this machi
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 
 import torch
@@ -52,6 +50,7 @@ from nf4.linear.kernel import grouped, word_tile
 from verify import timing
 
 from .bench_linear import floors, make_weights, mismatches
+from .gemv_limit import add_sass_arguments, rerun_without_interpreter
 
 DEFAULT_SHAPES = ("14336x4096", "4096x4096")
 DEFAULT_MS = (128, 256, 512, 1024)
@@ -306,16 +305,11 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="weights N x K")
     ap.add_argument("--ms", nargs="+", type=int, default=list(DEFAULT_MS), help="rows of x")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--out", default="build/gemm_limit.json", help="result file (JSON)")
-    ap.add_argument("--sass-only", action="store_true", help="only the offline SASS count (no GPU needed)")
-    ap.add_argument("--arch", type=int, default=None, help="SASS target (default: the GPU's, else 90)")
+    add_sass_arguments(ap, "build/gemm_limit.json")
     args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        # python -m experiments sets it without a GPU; an offline compile needs it off before triton is imported
-        env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-        argv = sys.argv[1:] if argv is None else list(argv)
-        return subprocess.run([sys.executable, "-m", "experiments.gemm_limit", *argv], env=env).returncode
+    rc = rerun_without_interpreter("experiments.gemm_limit", argv)
+    if rc is not None:
+        return rc
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     gpu = torch.cuda.is_available() and not args.sass_only
     if args.arch is None:

@@ -374,20 +374,33 @@ def measure(shape: str, dtype, config, copy_gbs: float, log=print) -> list[dict]
     return rows
 
 
+def add_sass_arguments(ap: argparse.ArgumentParser, out: str) -> None:
+    """The options gemv-limit and gemm-limit share: dtype, result file, --sass-only and the SASS target."""
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--out", default=out, help="result file (JSON)")
+    ap.add_argument("--sass-only", action="store_true", help="only the offline SASS count (no GPU needed)")
+    ap.add_argument("--arch", type=int, default=None, help="SASS target (default: the GPU's, else 90)")
+
+
+def rerun_without_interpreter(module: str, argv) -> int | None:
+    """Under TRITON_INTERPRET (python -m experiments sets it without a GPU), the exit code of `module` run again in a
+    child without it (an offline compile needs it off before triton is imported); None when it is off."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return None
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return subprocess.run([sys.executable, "-m", module, *argv], env=env).returncode
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments gemv-limit", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="weights N x K")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--out", default="build/gemv_limit.json", help="result file (JSON)")
-    ap.add_argument("--sass-only", action="store_true", help="only the offline SASS count (no GPU needed)")
-    ap.add_argument("--arch", type=int, default=None, help="SASS target (default: the GPU's, else 90)")
+    add_sass_arguments(ap, "build/gemv_limit.json")
     args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        # python -m experiments sets it without a GPU; an offline compile needs it off before triton is imported
-        env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-        argv = sys.argv[1:] if argv is None else list(argv)
-        return subprocess.run([sys.executable, "-m", "experiments.gemv_limit", *argv], env=env).returncode
+    rc = rerun_without_interpreter("experiments.gemv_limit", argv)
+    if rc is not None:
+        return rc
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     gpu = torch.cuda.is_available() and not args.sass_only
     name = torch.cuda.get_device_name() if gpu else linear_config.DEFAULT_GPU
