@@ -191,27 +191,27 @@ def kernel_of(part: str):
     return gemm_limit_kernel_dynamic if PROBES[part][1] else gemm_limit_kernel
 
 
-def probe_args(x, packed, qs, dense, out, config: linear_config.LinearConfig, part: str) -> tuple[tuple, dict, dict]:
-    """(grid, kernel arguments, launch options) of a probe with the production launch's grid, tile and split."""
+def probe_args(x, packed, w, dense, out, config: linear_config.LinearConfig, part: str) -> tuple[tuple, dict, dict]:
+    """(grid, kernel arguments, launch options) of a probe with the production launch's grid, tile and split, for
+    the validated weight `w` of the packed bytes (real tensors, or meta ones for an offline build)."""
     m = x.shape[0]
-    w = linear_api.weight_state(packed, qs)
     split, seg = linear_api.split_k(config, w, m, False, x.device)
     dummy = torch.zeros(16, dtype=torch.float32, device=x.device)
+    mode, _, epilogue = PROBES[part]
     args = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
             "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
             "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out,
             "M": m, "N": w.N, "K": w.K, "KB": w.K // 2, "SPLIT": split, "SEG": seg,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
-            "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": PROBES[part][0],
-            "EPILOGUE": PROBES[part][2]}
+            "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode, "EPILOGUE": epilogue}
     grid = (split * triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n),)
     return grid, args, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def probe_call(x, packed, qs, dense, config: linear_config.LinearConfig, part: str):
     """A callable launching one probe (its float32 partial sums into a buffer of its own)."""
-    grid, args, options = probe_args(x, packed, qs, dense, None, config, part)
+    grid, args, options = probe_args(x, packed, linear_api.weight_state(packed, qs), dense, None, config, part)
     kernel = kernel_of(part)
     args["out_ptr"] = torch.empty((args["SPLIT"], x.shape[0], args["N"]), dtype=torch.float32, device=x.device)
 
@@ -283,16 +283,8 @@ def sass_mix(n: int, k: int, m: int, dtype, arch: int) -> dict:
                                       config, True, False, torch.empty(1, device=meta))
     fn, _, args, options = launches[0]
     builds = {"production": (fn, args, options)}
-    for part, (mode, _, epilogue) in PROBES.items():
-        split, seg = linear_api.split_k(config, w, m, False, meta)
-        pargs = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
-                 "absmax2_ptr": w.absmax2, "code2_ptr": w.code2, "offset_ptr": w.offset,
-                 "out_ptr": torch.empty(1, device=meta), "M": m, "N": n, "K": k, "KB": k // 2,
-                 "SPLIT": split,
-                 "SEG": seg, "BLOCKSIZE": 64, "DOUBLE_QUANT": True, "FTZ": True, "X_DT": X_DT[dtype],
-                 "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
-                 "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode,
-                 "EPILOGUE": epilogue}
+    for part in PROBES:
+        _, pargs, _ = probe_args(x, packed, w, dense, torch.empty(1, device=meta), config, part)
         builds[part] = (kernel_of(part), pargs, options)
     out = {"arch": arch, "M": m, "N": n, "K": k, "config": str(config)}
     for part, (kernel, kargs, opts) in builds.items():

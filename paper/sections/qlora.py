@@ -52,17 +52,23 @@ def load(doc: Document) -> dict | None:
     return out or None
 
 
-def run_spread(runs: list) -> dict:
-    """{mode: sorted speedups at STEP_SHAPE} of nf4's modes over repeated runs, and "commits": their commits."""
-    spread: dict = {mode: [] for mode in OURS}
+def run_spread(runs: list, modes=OURS) -> dict:
+    """{mode: sorted speedups at STEP_SHAPE} of `modes` over repeated runs, and "commits": their commits."""
+    spread: dict = {mode: [] for mode in modes}
     commits = set()
     for payload in runs:
-        modes = _train(payload).get(STEP_SHAPE) or {}
-        for mode in OURS:
-            if mode in modes and modes[mode][0] is not None:
-                spread[mode].append(modes[mode][0])
+        found = _train(payload).get(STEP_SHAPE) or {}
+        for mode in modes:
+            if mode in found and found[mode][0] is not None:
+                spread[mode].append(found[mode][0])
         commits.add(str((payload.get("env") or {}).get("commit") or "")[:7])
     return {**{mode: sorted(v) for mode, v in spread.items()}, "commits": sorted(c for c in commits if c)}
+
+
+def _step_row(payload: dict) -> dict:
+    """The STEP_SHAPE row of a payload that ran ({} where none did)."""
+    return next((r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("shape") == STEP_SHAPE
+                 and "error" not in r), {})
 
 
 def _modes(entry: dict, exact_key: str) -> dict:
@@ -114,8 +120,7 @@ def build(doc: Document, data: dict | None) -> None:
         payload = data.get(tag) or {}
         env = payload.get("env") or {}
         doc.macro(f"NFqloraCommit{g}", tex(str(env.get("commit") or "")[:7]) if env.get("commit") else NM)
-        step_row = next((r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("shape") == STEP_SHAPE
-                         and "error" not in r), {})
+        step_row = _step_row(payload)
         kernel, ms = step_row.get("bnb_kernel_ms"), step_row.get("bnb_ms")
         doc.macro(f"NFqloraStepBnbMs{g}", num(ms, 1))
         doc.macro(f"NFqloraStepBnbKernelMs{g}", num(kernel, 1))
@@ -128,43 +133,36 @@ def build(doc: Document, data: dict | None) -> None:
             doc.macro(f"NFqloraBar{name}Mode{g}", tex(best[1]) if best else NM)
             for mode, stem in (("no_matmul", "NoMatmul"), ("dense", "Dense")):
                 doc.macro(f"NFqlora{name}{stem}{g}", ratio((modes.get(mode) or (None,))[0]))
-        _spread_macros(doc, g, data.get(f"{tag}_runs") or [])
+        _spread_macros(doc, "NFqloraRuns", g, data.get(f"{tag}_runs") or [])
         _long_macros(doc, g, data.get(f"{tag}_long") or [])
     _table(doc, data)
 
 
 def _long_macros(doc: Document, g: str, runs: list) -> None:
-    """The runs of STEP_SHAPE with more timed steps: their count, steps per mode and commits, and the smallest, median
-    and largest speedup of the fused route, the plain patch and the dense bound, and how many reached the bar."""
-    steps = sorted({((next((r for r in p.get("rows") or [] if isinstance(r, dict)), {}).get("bnb") or {}).get("n"))
-                    for p in runs} - {None})
-    doc.macro(f"NFqloraLong{g}", str(len(runs)) if runs else NM)
+    """The runs of STEP_SHAPE with more timed steps: `_spread_macros`' statistics (the dense bound's too), the timed
+    steps per mode, and the bar judged by the fused route's median."""
+    fused = _spread_macros(doc, "NFqloraLong", g, runs, (("nf4_fused", "Fused"), ("nf4", "Plain"), ("dense", "Dense")))
+    steps = sorted({(_step_row(p).get("bnb") or {}).get("n") for p in runs} - {None})
     doc.macro(f"NFqloraLongSteps{g}", "/".join(str(v) for v in steps) if steps else NM)
-    spread = run_spread(runs)
-    doc.macro(f"NFqloraLongCommit{g}", tex(", ".join(spread["commits"])) if spread["commits"] else NM)
-    dense = sorted(v for v in ((_train(p).get(STEP_SHAPE) or {}).get("dense", (None,))[0] for p in runs)
-                   if v is not None)
-    for stem, values in (("Fused", spread["nf4_fused"]), ("Plain", spread["nf4"]), ("Dense", dense)):
-        doc.macro(f"NFqloraLong{stem}Min{g}", ratio(values[0]) if values else NM)
-        doc.macro(f"NFqloraLong{stem}Median{g}", ratio(statistics.median(values)) if values else NM)
-        doc.macro(f"NFqloraLong{stem}Max{g}", ratio(values[-1]) if values else NM)
-    fused = spread["nf4_fused"]
-    doc.macro(f"NFqloraLongFusedAtBar{g}", str(sum(v >= STEP_FACTOR for v in fused)) if fused else NM)
     doc.macro(f"NFqloraLongBarMedian{g}", NM if not fused else
               ("met" if statistics.median(fused) >= STEP_FACTOR else "missed"))
 
 
-def _spread_macros(doc: Document, g: str, runs: list) -> None:
-    spread = run_spread(runs)
-    doc.macro(f"NFqloraRuns{g}", str(len(runs)) if runs else NM)
-    doc.macro(f"NFqloraRunsCommit{g}", tex(", ".join(spread["commits"])) if spread["commits"] else NM)
-    for mode, stem in (("nf4_fused", "Fused"), ("nf4", "Plain")):
+def _spread_macros(doc: Document, prefix: str, g: str, runs: list,
+                   modes=(("nf4_fused", "Fused"), ("nf4", "Plain"))) -> list:
+    """<prefix><g> (the number of runs), their commits, each mode's smallest, median and largest speedup at
+    STEP_SHAPE, and how many runs the fused route took to the bar; returns the fused route's sorted speedups."""
+    spread = run_spread(runs, tuple(mode for mode, _ in modes))
+    doc.macro(f"{prefix}{g}", str(len(runs)) if runs else NM)
+    doc.macro(f"{prefix}Commit{g}", tex(", ".join(spread["commits"])) if spread["commits"] else NM)
+    for mode, stem in modes:
         values = spread[mode]
-        doc.macro(f"NFqloraRuns{stem}Min{g}", ratio(values[0]) if values else NM)
-        doc.macro(f"NFqloraRuns{stem}Median{g}", ratio(statistics.median(values)) if values else NM)
-        doc.macro(f"NFqloraRuns{stem}Max{g}", ratio(values[-1]) if values else NM)
+        doc.macro(f"{prefix}{stem}Min{g}", ratio(values[0]) if values else NM)
+        doc.macro(f"{prefix}{stem}Median{g}", ratio(statistics.median(values)) if values else NM)
+        doc.macro(f"{prefix}{stem}Max{g}", ratio(values[-1]) if values else NM)
     fused = spread["nf4_fused"]
-    doc.macro(f"NFqloraRunsFusedAtBar{g}", str(sum(v >= STEP_FACTOR for v in fused)) if fused else NM)
+    doc.macro(f"{prefix}FusedAtBar{g}", str(sum(v >= STEP_FACTOR for v in fused)) if fused else NM)
+    return fused
 
 
 def _table(doc: Document, data: dict) -> None:
