@@ -17,8 +17,14 @@ weights and CUDA-graph device time:
   transpose of the swapped accumulator), rounded before the transpose, stored untransposed, as uint16, as 32-bit
   pairs, rounded with integer operations, or rounded and widened back to float32. On the H100 and H200 (Triton 3.6)
   every store of 16-bit values, the pairs too, measured slower than the float32 stores at M >= 256 on 14336x4096;
-  the SASS says why: ptxas waits for every wgmma of the main loop (`wgmma_waits`: each wait leaves 0 groups
-  pending) where Triton stores the accumulator so, and keeps them asynchronous where it stores float32;
+  the SASS says how: ptxas waits for every wgmma of the main loop (`wgmma_waits`: each wait leaves 0 groups
+  pending) where Triton stores the accumulator so, and keeps them asynchronous where it stores float32. ptxas -v
+  says why (`wgmma_serialized`, its C7515 note): "non wgmma instructions defining accumulator registers of a wgmma
+  between start and end of the pipeline stage". In the PTX those are the accumulator's zeros set again on the
+  loop's zero-trip path, a block that LLVM lays out between the loop and its last wgmma wait when the epilogue
+  rounds (with a float32 store the zeros are set once, before the loop's guard). `..., loop said nonempty` is the
+  production's store with the loop told to run at least once (`tl.assume`), which removes that path: the fix the
+  production took (nf4_gemm_word_kernel); the other probes keep the loop as it was;
 - `probe: no lookup` (MODE 1): the same loop with the product tables and the prmt lookups replaced by four bit
   operations per word that keep every load live (words and both absmax levels still read): the decode's cost;
 - `probe: dense operand` (MODE 2): the same grid and tile multiplying the bfloat16 weight (nf4.dequantize's)
@@ -56,16 +62,19 @@ DEFAULT_SHAPES = ("14336x4096", "4096x4096")
 DEFAULT_MS = (128, 256, 512, 1024)
 X_DT = {torch.float16: 1, torch.bfloat16: 2}  # the kernels' dtype codes
 # part -> (gemm_limit_kernel's MODE, whether M and SPLIT are passed unspecialized as nf4_gemm_word_kernel takes them,
-# its EPILOGUE)
-PROBES = {"probe: lookup": (0, False, 0), "probe: lookup, M and SPLIT unspecialized": (0, True, 0),
-          "probe: lookup, production's store": (0, True, 1),
-          "probe: lookup, rounded before the transpose": (0, True, 2),
-          "probe: lookup, stored untransposed": (0, True, 3),
-          "probe: lookup, stored as 16-bit integers": (0, True, 4),
-          "probe: lookup, rounded, stored as float32": (0, True, 5),
-          "probe: lookup, stored as 32-bit pairs": (0, True, 6),
-          "probe: lookup, rounded with 32-bit integers": (0, True, 8),
-          "probe: no lookup": (1, False, 0), "probe: dense operand": (2, False, 0)}
+# its EPILOGUE, its NONEMPTY). The probes keep the loop as the production had it before its tl.assume (NONEMPTY
+# off), but for the one that adds it to the production's store.
+PROBES = {"probe: lookup": (0, False, 0, False), "probe: lookup, M and SPLIT unspecialized": (0, True, 0, False),
+          "probe: lookup, production's store": (0, True, 1, False),
+          "probe: lookup, production's store, loop said nonempty": (0, True, 1, True),
+          "probe: lookup, rounded before the transpose": (0, True, 2, False),
+          "probe: lookup, stored untransposed": (0, True, 3, False),
+          "probe: lookup, stored as 16-bit integers": (0, True, 4, False),
+          "probe: lookup, rounded, stored as float32": (0, True, 5, False),
+          "probe: lookup, stored as 32-bit pairs": (0, True, 6, False),
+          "probe: lookup, rounded with 32-bit integers": (0, True, 8, False),
+          "probe: no lookup": (1, False, 0, False), "probe: dense operand": (2, False, 0, False),
+          "probe: dense operand, loop said nonempty": (2, False, 0, True)}
 
 
 def config_for(m: int) -> linear_config.LinearConfig:
@@ -77,7 +86,8 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
                 M, N, K, KB, SPLIT, SEG,
                 BLOCKSIZE: tl.constexpr, DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, X_DT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                SWAP: tl.constexpr, EVICT: tl.constexpr, MODE: tl.constexpr, EPILOGUE: tl.constexpr):
+                SWAP: tl.constexpr, EVICT: tl.constexpr, MODE: tl.constexpr, EPILOGUE: tl.constexpr,
+                NONEMPTY: tl.constexpr):
     """nf4_gemm_word_kernel's loop (PARTIAL: float32 sums [SPLIT, M, N] stored, no bias). MODE 0: its decode
     (product tables, prmt lookups); 1: each word's four pairs from bit operations on the word and the absmax bits
     instead; 2: the tile read as bfloat16/float16 from dense_ptr [N, K] (no packed bytes, no absmax). EPILOGUE 0:
@@ -85,7 +95,8 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
     store, into [M, N] of split 0); 2: rounded before the transpose; 3: rounded, SWAP's accumulator stored as it is
     through transposed addresses; 4: as 1 with the rounded bits stored as uint16; 5: rounded, then widened back and
     stored as float32; 6: rounded, two neighbouring outputs of a row packed into one 32-bit word and stored; 8:
-    rounded (RNE, bfloat16 only) with 32-bit integer operations, truncated to 16 bits just before Triton's store."""
+    rounded (RNE, bfloat16 only) with 32-bit integer operations, truncated to 16 bits just before Triton's store.
+    NONEMPTY: the loop told to the compiler to run at least once (`tl.assume`), as the production's is."""
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     KW = KB // 4
     pid = tl.program_id(0)
@@ -108,6 +119,8 @@ def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = pid_k * SEG
     end = tl.minimum(first + SEG, KB)
+    if NONEMPTY:
+        tl.assume(end > first)
     for c0 in range(first, end, BLOCK_K // 2):
         if MODE == 2:
             w = tl.load(dp + 2 * c0, eviction_policy=EVICT)
@@ -197,14 +210,15 @@ def probe_args(x, packed, w, dense, out, config: linear_config.LinearConfig, par
     m = x.shape[0]
     split, seg = linear_api.split_k(config, w, m, False, x.device)
     dummy = torch.zeros(16, dtype=torch.float32, device=x.device)
-    mode, _, epilogue = PROBES[part]
+    mode, _, epilogue, nonempty = PROBES[part]
     args = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
             "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
             "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out,
             "M": m, "N": w.N, "K": w.K, "KB": w.K // 2, "SPLIT": split, "SEG": seg,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
-            "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode, "EPILOGUE": epilogue}
+            "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode, "EPILOGUE": epilogue,
+            "NONEMPTY": nonempty}
     grid = (split * triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n),)
     return grid, args, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 

@@ -292,7 +292,36 @@ def _sass_of(fn, args: dict, options: dict, arch: int) -> dict:
     regs = re.search(r"REG:(\d+)", res)
     return {"kernel": fn.__name__, "num_warps": options["num_warps"], "registers": int(regs.group(1)) if regs else None,
             "loop_instructions": len(loop), "loop_opcodes": dict(Counter(loop).most_common()),
-            "wgmma_waits": wgmma_waits(sass)}
+            "wgmma_waits": wgmma_waits(sass), "wgmma_serialized": _ptxas_serialized(compiled.asm["ptx"], arch)}
+
+
+def wgmma_serialized(log: str) -> str:
+    """ptxas's reason for serializing a kernel's wgmma (its C7515 note under -v: "... wgmma.mma_async
+    instructions are serialized due to <reason> in the function ..."), "" where its log gives none."""
+    found = re.search(r"C7515\).*?serialized due to (.*?) in the function", " ".join(log.split()))
+    return found.group(1) if found else ""
+
+
+def _ptxas_serialized(ptx: str, arch: int) -> str | None:
+    """wgmma_serialized of the PTX assembled again with -v by the ptxas bundled with Triton (the one that accepts
+    the PTX's version); None where none could assemble it."""
+    from . import sm75
+
+    first = sm75._tool("ptxas")
+    tools = [t for t in (first, first and os.path.join(os.path.dirname(first), "ptxas-blackwell")) if t]
+    target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        for tool in tools:
+            if not os.path.exists(tool):
+                continue
+            run = subprocess.run([tool, "-v", f"-arch={target}", path, "-o", os.path.join(tmp, "k.o")],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                return wgmma_serialized(run.stdout + run.stderr)
+    return None
 
 
 def wgmma_waits(sass: str) -> dict[str, int]:

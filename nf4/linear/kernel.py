@@ -811,6 +811,11 @@ def nf4_gemm_word_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = pid_k * SEG
     end = tl.minimum(first + SEG, KB)
+    # Every split has a step (split_k: SPLIT = cdiv(KB, SEG), K > 0). Said to the compiler, the loop has no
+    # zero-trip path: without it LLVM set the accumulator to zero again on that path, after the loop, where ptxas
+    # (CUDA 12.8-12.9) counts it as a non-wgmma definition of wgmma accumulators and serializes every wgmma of the
+    # loop (C7515) whenever the epilogue rounds to 16 bits (experiments gemm-limit).
+    tl.assume(end > first)
     for c0 in range(first, end, BLOCK_K // 2):
         amax = absmax_of_block(blk + c0 // (BLOCKSIZE // 2), always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                                DOUBLE_QUANT, FTZ, ASM)[None, :, None]

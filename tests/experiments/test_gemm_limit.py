@@ -1,4 +1,5 @@
-"""experiments gemm-limit on a CPU: the wgmma-wait reader on written SASS, the config per M, and the offline build of
+"""experiments gemm-limit on a CPU: the wgmma-wait and ptxas-note readers on written text, the config per M, and the
+offline build of
 the production word GEMM and the probe loops for sm_90, whose opcode counts must follow from the kernels."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 from experiments.gemm_limit import PROBES, config_for
-from experiments.gemv_limit import wgmma_waits
+from experiments.gemv_limit import wgmma_serialized, wgmma_waits
 from nf4.linear import config as linear_config
 
 _SASS = """
@@ -27,6 +28,23 @@ def test_wgmma_waits_counts_each_depth():
     assert wgmma_waits(_SASS) == {"0": 1, "3": 2}
     assert wgmma_waits(_SASS.replace("0x3", "0xa")) == {"0": 1, "10": 2}
     assert wgmma_waits("") == {}
+
+
+_PTXAS = """ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non
+wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the
+function '_gemm_limit'
+ptxas info    : 0 bytes gmem
+ptxas info    : Used 225 registers, used 1 barriers
+"""
+
+
+def test_wgmma_serialized_reads_the_reason_of_ptxas_note():
+    """The reason of ptxas's C7515 note, its line breaks folded; nothing where the log has no such note (a kernel
+    whose wgmma stay asynchronous, or one without wgmma)."""
+    assert wgmma_serialized(_PTXAS) == ("non wgmma instructions defining accumulator registers of a wgmma between "
+                                        "start and end of the pipeline stage")
+    assert wgmma_serialized(_PTXAS.replace("C7515", "C7510")) == ""
+    assert wgmma_serialized(_PTXAS.split("\n", 3)[3]) == ""
 
 
 def test_config_per_m_is_the_word_gemm_the_table_runs():
@@ -67,3 +85,4 @@ def test_sass_counts_follow_from_the_kernels(tmp_path):
     assert "PRMT" not in dense and dense.get("LDGSTS", 0) > 0 and dense.get("HGMMA", 0) > 0
     for part in ("production", *PROBES):
         assert isinstance(sass[part]["wgmma_waits"], dict), part
+        assert sass[part]["wgmma_serialized"] is None or isinstance(sass[part]["wgmma_serialized"], str), part
