@@ -181,6 +181,14 @@ WORD_GEMM128 = WORD_GEMM32.with_(block_m=128)
 # rows of 4096 or fewer weights it lost or tied on both GPUs (14336x4096: 97.2 / 99.1 against 106.5 / 85.2; 4096x4096
 # 32.0 / 32.0 against 31.8 / 26.9; 8192x2048 36.7 / 36.7 against 29.1 / 25.9), so `for_shape` keeps nf4.dequantize +
 # cuBLAS on rows shorter than 8192. At M = 512 (two W decodes) nf4.dequantize + cuBLAS won on every swept weight.
+# Those sweeps ran the kernel with every wgmma of its loop serialized by ptxas (experiments gemm-limit); with the
+# loop said nonempty (1042431) the sweeps over 14336x4096, 4096x14336, 4096x4096, 8192x2048, 2048x8192 and 1024x4096
+# at M = 256, 384, 512 and 1024 (results/linear/tuning/sweep_wordfix_{h100,h200}.json, bf16, every row
+# operand-exact, nf4.dequantize + cuBLAS in the same run), alike on both GPUs: at M = 256 WORD_GEMM256 won on
+# 14336x4096 (74.1 / 74.9 us against 106.6 / 84.7 on the H100 / H200), 4096x14336 (76.8 / 76.7 against
+# 112.8 / 89.7) and 2048x8192 (30.1 / 30.3 against 35.6 / 34.0) and lost on the three weights of 2^24 weights or
+# fewer with rows of 4096 or fewer; at M = 384-1024 nf4.dequantize + cuBLAS won on every weight but one (8192x2048
+# at M = 512 on the H100, by 2 %), so the table keeps it past 256 rows.
 WORD_GEMM256 = WORD_GEMM32.with_(block_m=256, num_warps=8, programs_per_sm=1)
 # What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config, through `fallback`): the tensor-core
 # GEMV (x or the packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes
@@ -278,6 +286,7 @@ def routes_gemm_4bit(device_name: str, m: int) -> bool:
 
 
 SMALL_WEIGHT = 1024 * 4096
+LARGE_WEIGHT = 8192 * 4096  # weights from which WORD_GEMM256 takes rows shorter than 8192 (for_shape)
 
 
 def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
@@ -295,10 +304,12 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     The word tl.dot rows (sweeps at 6215746 / 5cde365): at M = 17-32 a weight of at most SMALL_WEIGHT weights keeps
     GEMV_MMA32 (1024x4096, M = 32: 7.5 / 7.4 us against 8.2 / 10.5 on the H100 / H200); at M = 65-128 rows shorter
     than 4096 take nf4.dequantize + cuBLAS (8192x2048, M = 128: 25.0 / 20.9 us against 26.3 / 25.4); at M = 129-256
-    rows shorter than 8192 (WORD_GEMM256's sweeps)."""
+    rows shorter than 8192 of a weight of fewer than LARGE_WEIGHT weights (WORD_GEMM256's sweeps at 1042431: it won
+    on 14336x4096, 4096x14336 and 2048x8192 and lost on 4096x4096, 8192x2048 and 1024x4096; the bound lies
+    between 2^24 and 14336x4096's 58.7M weights, where no weight was swept)."""
     if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
         return GEMV_MMA32
-    if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192):
+    if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192 and n * k < LARGE_WEIGHT):
         return DEQUANT
     if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
         return config
