@@ -2,9 +2,10 @@
 
 The table puts, per GPU and M, the production kernel (the word GEMM config the table runs or its sweeps ran at that
 M) beside the probe loops cut from it and the cuBLAS references, on the largest weight of the bars; the macros carry
-the three costs the probes separate at one M (SHOWN_M): the 16-bit store (which makes ptxas wait for every wgmma),
-the prmt decode, and what Triton's tl.dot loop reaches on a dense operand against cuBLAS, and the main loop's
-instruction counts per step.
+the costs the probes separate at one M (SHOWN_M): the wgmma serialization that ptxas chose for the loop as it was
+(with the production's 16-bit store; its reason as ptxas gives it) and that the loop said nonempty removes, the prmt
+decode, what Triton's tl.dot loop reaches on a dense operand against cuBLAS, the main loop's instruction counts per
+step, and the production's gain over nf4.dequantize + cuBLAS at GAIN_M.
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ from paper.sections.linear import GPUS, MID_FACTOR, load_per_gpu
 
 SHAPE = (14336, 4096)
 SHOWN_M = 512
+GAIN_M = 256  # the M of bar (c) where the table runs the word GEMM on SHAPE
+OLD_STORE = "probe: lookup, production's store"  # the loop as it was before its tl.assume, the production's store
+FIXED_STORE = "probe: lookup, production's store, loop said nonempty"
+DENSE_FIXED = "probe: dense operand, loop said nonempty"
 # (part in the result file, row label)
 PARTS = (("production", r"production (\code{nf4.linear}, the word GEMM config)"),
          ("probe: lookup", "probe: the production loop, float32 store"),
-         ("probe: lookup, production's store", r"\quad with the production's 16-bit store"),
+         (OLD_STORE, r"\quad 16-bit store, the loop as it was"),
+         (FIXED_STORE, r"\quad 16-bit store, the loop said nonempty"),
          ("probe: lookup, rounded, stored as float32", r"\quad rounded, stored as float32"),
          ("probe: no lookup", "probe: no lookup (bit operations instead)"),
          ("probe: dense operand", "probe: the same loop on the bfloat16 weight"),
+         (DENSE_FIXED, r"\quad the loop said nonempty"),
          ("cuBLAS", "cuBLAS on the bfloat16 weight"),
          ("nf4.dequantize + cuBLAS", r"\code{nf4.dequantize} + cuBLAS"))
 
@@ -60,6 +67,7 @@ def build(doc: Document, data: dict | None) -> None:
     data = data if isinstance(data, dict) else {}
     doc.macro("NFglimShape", shape_tex(SHAPE))
     doc.macro("NFglimM", str(SHOWN_M))
+    doc.macro("NFglimGainM", str(GAIN_M))
     for tag, g, _ in GPUS:
         payload = data.get(tag) or {}
         env = payload.get("env") or {}
@@ -69,13 +77,19 @@ def build(doc: Document, data: dict | None) -> None:
                            ("probe: no lookup", "NoLookup"), ("probe: dense operand", "Dense"),
                            ("cuBLAS", "Cublas"), ("nf4.dequantize + cuBLAS", "DequantCublas")):
             doc.macro(f"NFglim{name}{g}", us(t.get((*SHAPE, SHOWN_M, part))))
-        for name, num_part, den_part in (("StoreCost", "probe: lookup, production's store", "probe: lookup"),
+        for name, num_part, den_part in (("StoreCost", OLD_STORE, "probe: lookup"),
+                                         ("SerialCost", OLD_STORE, FIXED_STORE),
+                                         ("FixedOverLookup", FIXED_STORE, "probe: lookup"),
                                          ("DecodeCost", "probe: lookup", "probe: no lookup"),
-                                         ("DenseOverCublas", "probe: dense operand", "cuBLAS"),
+                                         ("DenseOverCublas", DENSE_FIXED, "cuBLAS"),
                                          ("LookupOverDequant", "probe: lookup", "nf4.dequantize + cuBLAS"),
                                          ("NoLookupOverDequant", "probe: no lookup", "nf4.dequantize + cuBLAS")):
             q = _quotient(t, SHOWN_M, num_part, den_part)
             doc.macro(f"NFglim{name}{g}", ratio(q) if q else NM)
+        gain = _quotient(t, GAIN_M, "nf4.dequantize + cuBLAS", "production")
+        doc.macro(f"NFglimGain{g}", ratio(gain) if gain else NM)
+        doc.macro(f"NFglimGainProduction{g}", us(t.get((*SHAPE, GAIN_M, "production"))))
+        doc.macro(f"NFglimGainDequant{g}", us(t.get((*SHAPE, GAIN_M, "nf4.dequantize + cuBLAS"))))
         dequant = t.get((*SHAPE, SHOWN_M, "nf4.dequantize + cuBLAS"))
         # bar (c): MID_FACTOR times faster than nf4.dequantize + cuBLAS, i.e. at most this device time
         doc.macro(f"NFglimBarTime{g}", us(dequant / MID_FACTOR) if dequant else NM)
@@ -84,9 +98,11 @@ def build(doc: Document, data: dict | None) -> None:
         for part, name in (("production", "Production"), ("probe: no lookup", "NoLookup"),
                            ("probe: dense operand", "Dense")):
             doc.macro(f"NFglimLoop{name}{g}", integer((s256.get(part) or {}).get("loop_instructions")))
-        for part, name in (("production", "Production"), ("probe: lookup", "Lookup"),
-                           ("probe: dense operand", "Dense")):
+        for part, name in (("production", "Production"), ("probe: lookup", "Lookup"), (OLD_STORE, "OldStore"),
+                           ("probe: dense operand", "Dense"), (DENSE_FIXED, "DenseFixed")):
             doc.macro(f"NFglimPending{name}{g}", integer(most_pending((s256.get(part) or {}).get("wgmma_waits"))))
+        reason = (s256.get(OLD_STORE) or {}).get("wgmma_serialized")
+        doc.macro(f"NFglimSerialReason{g}", tex(reason) if isinstance(reason, str) and reason else NM)
     _table(doc, data)
 
 

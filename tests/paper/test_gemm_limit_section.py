@@ -22,8 +22,10 @@ def _payload(seed: int, ms=(128, 256, 512), waits=None) -> dict:
     rows = [{"N": n, "K": k, "M": m, "part": part, "graph_us": round(rng.uniform(10, 400), 3)}
             for m in ms for part in PARTS]
     rows.append({"N": 4096, "K": 4096, "M": 512, "part": "production", "graph_us": 1.0})  # another weight: ignored
-    sass = [{"M": 256, "production": {"loop_instructions": 298, "wgmma_waits": waits or {"0": 4}},
+    sass = [{"M": 256, "production": {"loop_instructions": 298, "wgmma_waits": waits or {"0": 1, "3": 4}},
              "probe: lookup": {"loop_instructions": 297, "wgmma_waits": {"0": 1, "3": 4}},
+             gemm_limit.OLD_STORE: {"loop_instructions": 297, "wgmma_waits": {"0": 4},
+                                    "wgmma_serialized": "non wgmma instructions defining accumulator registers"},
              "probe: no lookup": {"loop_instructions": 210}, "probe: dense operand": {"loop_instructions": 103}}]
     return {"env": {"commit": "abcdef123", "device": "GPU"}, "rows": rows, "sass": sass}
 
@@ -61,10 +63,18 @@ def test_table_and_macros_come_from_the_rows(tmp_path, seed):
     assert macros["NFglimProductionHOneHundred"] == f"{t[(m, 'production')]:.1f}"
     assert macros["NFglimStoreCostHOneHundred"] == (
         f"{t[(m, 'probe: lookup, production' + chr(39) + 's store')] / t[(m, 'probe: lookup')]:.2f}")
+    old, fixed = t[(m, gemm_limit.OLD_STORE)], t[(m, gemm_limit.FIXED_STORE)]
+    assert macros["NFglimSerialCostHOneHundred"] == f"{old / fixed:.2f}"
+    assert macros["NFglimDenseOverCublasHOneHundred"] == f"{t[(m, gemm_limit.DENSE_FIXED)] / t[(m, 'cuBLAS')]:.2f}"
+    g = gemm_limit.GAIN_M
+    assert macros["NFglimGainHOneHundred"] == f"{t[(g, 'nf4.dequantize + cuBLAS')] / t[(g, 'production')]:.2f}"
+    assert macros["NFglimGainProductionHTwoHundred"] == f"{times['h200'][(g, 'production')]:.1f}"
     assert macros["NFglimNoLookupOverDequantHOneHundred"] == (
         f"{t[(m, 'probe: no lookup')] / t[(m, 'nf4.dequantize + cuBLAS')]:.2f}")
     assert macros["NFglimBarTimeHOneHundred"] == f"{t[(m, 'nf4.dequantize + cuBLAS')] / MID_FACTOR:.1f}"
-    assert macros["NFglimPendingProductionHOneHundred"] == "0" and macros["NFglimPendingLookupHOneHundred"] == "3"
+    assert macros["NFglimPendingProductionHOneHundred"] == "3" and macros["NFglimPendingLookupHOneHundred"] == "3"
+    assert macros["NFglimPendingOldStoreHOneHundred"] == "0" and macros["NFglimPendingDenseFixedHOneHundred"] == NM
+    assert macros["NFglimSerialReasonHOneHundred"] == "non wgmma instructions defining accumulator registers"
     assert macros["NFglimLoopNoLookupHTwoHundred"] == "210" and macros["NFglimCommitHTwoHundred"] == "abcdef1"
 
 
