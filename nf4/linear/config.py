@@ -190,6 +190,14 @@ WORD_GEMM128 = WORD_GEMM32.with_(block_m=128)
 # fewer with rows of 4096 or fewer; at M = 384-1024 nf4.dequantize + cuBLAS won on every weight but one (8192x2048
 # at M = 512 on the H100, by 2 %), so the table keeps it past 256 rows.
 WORD_GEMM256 = WORD_GEMM32.with_(block_m=256, num_warps=8, programs_per_sm=1)
+# WORD_GEMM128's tile with 8 warps in one launch (no split-K, so no partial sums and no second kernel): the sweeps at
+# 0f747f3 over the six weights at M = 32, 64 and 128 (results/linear/tuning/sweep_wordfix_small_{h100,h200}.json,
+# bf16, every row operand-exact; the first sweeps of the word GEMM's rows since its loop was said nonempty, which
+# made the 16-bit store of a single launch cheap): on 14336x4096 at M = 128 it took 59.7 / 59.8 us on the H100 /
+# H200 against 67.6 / 66.1 for WORD_GEMM128 (split 2 there, then the sum kernel); on the other weights that
+# WORD_GEMM128 takes at M = 128 it was not among the fastest three, and WORD_GEMM128 was within 4 % of the best on
+# both GPUs, so `for_shape` takes it where WORD_GEMM256 takes the rows above (large weights with rows under 8192).
+WORD_GEMM128_W8 = WORD_GEMM128.with_(num_warps=8, split_k=1)
 # What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config, through `fallback`): the tensor-core
 # GEMV (x or the packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes
 # the word GEMV up to M = 4 and nf4.dequantize + cuBLAS above (the table's choice there before it); the word GEMV
@@ -201,7 +209,7 @@ FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
     GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: ((4, GEMV_TABLE), (None, DEQUANT)),
     GEMV_MMA32: DEQUANT, GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT)),
     GEMV_MMA_WK4: GEMV_TABLE, WORD_GEMM32: DEQUANT, WORD_GEMM64: DEQUANT, WORD_GEMM128: DEQUANT,
-    WORD_GEMM256: DEQUANT}
+    WORD_GEMM128_W8: DEQUANT, WORD_GEMM256: DEQUANT}
 
 
 def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
@@ -306,11 +314,15 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     than 4096 take nf4.dequantize + cuBLAS (8192x2048, M = 128: 25.0 / 20.9 us against 26.3 / 25.4); at M = 129-256
     rows shorter than 8192 of a weight of fewer than LARGE_WEIGHT weights (WORD_GEMM256's sweeps at 1042431: it won
     on 14336x4096, 4096x14336 and 2048x8192 and lost on 4096x4096, 8192x2048 and 1024x4096; the bound lies
-    between 2^24 and 14336x4096's 58.7M weights, where no weight was swept)."""
+    between 2^24 and 14336x4096's 58.7M weights, where no weight was swept); at M = 65-128 the other rows of
+    at least 4096 weights, but shorter than 8192, of a weight of LARGE_WEIGHT weights or more take WORD_GEMM128_W8
+    (its sweeps at 0f747f3)."""
     if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
         return GEMV_MMA32
     if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192 and n * k < LARGE_WEIGHT):
         return DEQUANT
+    if config is WORD_GEMM128 and k < 8192 and n * k >= LARGE_WEIGHT:
+        return WORD_GEMM128_W8
     if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
         return config
     if k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:

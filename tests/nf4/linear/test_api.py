@@ -477,7 +477,8 @@ def test_warps_k_config_falls_back_where_the_tensor_core_gemv_cannot_run(nf4h):
 def test_tuned_rows_for_a_weights_shape():
     """config.tuned with the weight's shape (config.for_shape): the word tl.dot rows give way to GEMV_MMA32 on
     small weights (M = 17-32), to nf4.dequantize + cuBLAS on rows under 4096 (M = 65-128) and on rows under 8192
-    of weights under LARGE_WEIGHT (M = 129-256); at M <= 4 the
+    of weights under LARGE_WEIGHT (M = 129-256), to WORD_GEMM128_W8 on rows of 4096-8191 of larger weights
+    (M = 65-128); at M <= 4 the
     single-launch rows become GEMV_MMA_WK4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8
     warps (2048 bytes); every other row and M, a weight of few rows, the backward, a call without the shape and
     the interpreter's rows are as before."""
@@ -491,6 +492,7 @@ def test_tuned_rows_for_a_weights_shape():
         WORD_GEMM32,
         WORD_GEMM64,
         WORD_GEMM128,
+        WORD_GEMM128_W8,
         WORD_GEMM256,
         for_shape,
         pick,
@@ -521,6 +523,11 @@ def test_tuned_rows_for_a_weights_shape():
     for m in (65, 128):
         assert at(m, 8192, 2048) is DEQUANT and at(m, 14336, 4096 - 64) is DEQUANT, m
         assert at(m, 1024, 4096) is WORD_GEMM128 and at(m, 4096, 14336) is WORD_GEMM128, m
+        # one launch of 8 warps on large weights with rows under 8192 (those WORD_GEMM256 takes above)
+        assert at(m, 14336, 4096) is WORD_GEMM128_W8 and at(m, 8192, 4096) is WORD_GEMM128_W8, m
+        assert at(m, 8191, 4096) is WORD_GEMM128 and at(m, 4096, 8192) is WORD_GEMM128, m
+    assert WORD_GEMM128_W8.split_k == 1 and WORD_GEMM128_W8.num_warps == 8
+    assert WORD_GEMM128_W8.with_(num_warps=4, split_k=0) == WORD_GEMM128
     assert at(64, 8192, 2048) is WORD_GEMM64 and at(129, 4096, 4096) is DEQUANT
     # M = 129-256: 256 rows of x per W tile on rows of 8192 weights or more and on weights of LARGE_WEIGHT weights
     # or more, nf4.dequantize + cuBLAS on the others

@@ -72,6 +72,9 @@ if torch.cuda.is_available():
         # 256 rows of x per tile, 8 warps, one program per multiprocessor (WORD_GEMM256): two tiles along M
         "word-gemm-M300": (300, LinearConfig(path="gemm", codebook=3, block_m=256, block_n=128, num_warps=8, swap=True,
                                              num_stages=3, split_k=0, programs_per_sm=1)),
+        # WORD_GEMM128's tile with 8 warps in one launch (WORD_GEMM128_W8, the table's on large weights at M = 128)
+        "word-gemm-M128-w8": (128, LinearConfig(path="gemm", codebook=3, block_m=128, block_n=128, block_k=64,
+                                                num_warps=8, swap=True, num_stages=3, split_k=1, programs_per_sm=2)),
         "dequant": (8, LinearConfig(path="dequant")),
     }
     BACKWARD = {
