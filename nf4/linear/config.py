@@ -198,6 +198,11 @@ WORD_GEMM256 = WORD_GEMM32.with_(block_m=256, num_warps=8, programs_per_sm=1)
 # WORD_GEMM128 takes at M = 128 it was not among the fastest three, and WORD_GEMM128 was within 4 % of the best on
 # both GPUs, so `for_shape` takes it where WORD_GEMM256 takes the rows above (large weights with rows under 8192).
 WORD_GEMM128_W8 = WORD_GEMM128.with_(num_warps=8, split_k=1)
+# WORD_GEMM32 split 8 ways along K: in the same sweeps, on 14336x4096 at M = 32, 39.7 / 39.0 us (H100 / H200) against
+# 44.3 / 44.3 for WORD_GEMM32 (its split nearest 2 programs per multiprocessor: 2 on that weight's 112 tiles); on
+# 4096x14336 37.8 / 38.2 against 38.6 / 38.3; on the weights of 2^24 weights it was up to 10 % slower or a tie. At
+# M = 64 a fixed split gained nothing on both GPUs. `for_shape` takes it where the two rows above are taken.
+WORD_GEMM32_S8 = WORD_GEMM32.with_(split_k=8)
 # What a tuned row runs where its kernel cannot (nf4.linear.api.launch_config, through `fallback`): the tensor-core
 # GEMV (x or the packed bytes not 16-byte aligned, K / 2 not whole steps, W dtype != x dtype, no sm_80+ GPU) becomes
 # the word GEMV up to M = 4 and nf4.dequantize + cuBLAS above (the table's choice there before it); the word GEMV
@@ -209,7 +214,7 @@ FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
     GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: ((4, GEMV_TABLE), (None, DEQUANT)),
     GEMV_MMA32: DEQUANT, GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT)),
     GEMV_MMA_WK4: GEMV_TABLE, WORD_GEMM32: DEQUANT, WORD_GEMM64: DEQUANT, WORD_GEMM128: DEQUANT,
-    WORD_GEMM128_W8: DEQUANT, WORD_GEMM256: DEQUANT}
+    WORD_GEMM128_W8: DEQUANT, WORD_GEMM32_S8: DEQUANT, WORD_GEMM256: DEQUANT}
 
 
 def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
@@ -316,9 +321,11 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     on 14336x4096, 4096x14336 and 2048x8192 and lost on 4096x4096, 8192x2048 and 1024x4096; the bound lies
     between 2^24 and 14336x4096's 58.7M weights, where no weight was swept); at M = 65-128 the other rows of
     at least 4096 weights, but shorter than 8192, of a weight of LARGE_WEIGHT weights or more take WORD_GEMM128_W8
-    (its sweeps at 0f747f3)."""
+    (its sweeps at 0f747f3), and at M = 17-32 WORD_GEMM32_S8."""
     if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
         return GEMV_MMA32
+    if config is WORD_GEMM32 and 4096 <= k < 8192 and n * k >= LARGE_WEIGHT:
+        return WORD_GEMM32_S8
     if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192 and n * k < LARGE_WEIGHT):
         return DEQUANT
     if config is WORD_GEMM128 and k < 8192 and n * k >= LARGE_WEIGHT:

@@ -477,8 +477,8 @@ def test_warps_k_config_falls_back_where_the_tensor_core_gemv_cannot_run(nf4h):
 def test_tuned_rows_for_a_weights_shape():
     """config.tuned with the weight's shape (config.for_shape): the word tl.dot rows give way to GEMV_MMA32 on
     small weights (M = 17-32), to nf4.dequantize + cuBLAS on rows under 4096 (M = 65-128) and on rows under 8192
-    of weights under LARGE_WEIGHT (M = 129-256), to WORD_GEMM128_W8 on rows of 4096-8191 of larger weights
-    (M = 65-128); at M <= 4 the
+    of weights under LARGE_WEIGHT (M = 129-256), to WORD_GEMM128_W8 (M = 65-128) and WORD_GEMM32_S8 (M = 17-32)
+    on rows of 4096-8191 of larger weights; at M <= 4 the
     single-launch rows become GEMV_MMA_WK4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8
     warps (2048 bytes); every other row and M, a weight of few rows, the backward, a call without the shape and
     the interpreter's rows are as before."""
@@ -490,6 +490,7 @@ def test_tuned_rows_for_a_weights_shape():
         GEMV_MMA_WK16,
         INTERPRETER,
         WORD_GEMM32,
+        WORD_GEMM32_S8,
         WORD_GEMM64,
         WORD_GEMM128,
         WORD_GEMM128_W8,
@@ -519,7 +520,11 @@ def test_tuned_rows_for_a_weights_shape():
     assert tuned(h100, 32) is WORD_GEMM32 and tuned(h100, 64) is WORD_GEMM64 and tuned(h100, 128) is WORD_GEMM128
     for m in (17, 32):
         assert at(m, 1024, 4096) is GEMV_MMA32 and at(m, 1024, 2048) is GEMV_MMA32, m
-        assert at(m, 1025, 4096) is WORD_GEMM32 and at(m, 14336, 4096) is WORD_GEMM32, m
+        assert at(m, 1025, 4096) is WORD_GEMM32 and at(m, 4096, 14336) is WORD_GEMM32, m
+        # split 8 ways on large weights with rows of 4096-8191
+        assert at(m, 14336, 4096) is WORD_GEMM32_S8 and at(m, 8192, 4096) is WORD_GEMM32_S8, m
+        assert at(m, 8191, 4096) is WORD_GEMM32 and at(m, 16384, 2048) is WORD_GEMM32, m
+    assert WORD_GEMM32_S8 == WORD_GEMM32.with_(split_k=8)
     for m in (65, 128):
         assert at(m, 8192, 2048) is DEQUANT and at(m, 14336, 4096 - 64) is DEQUANT, m
         assert at(m, 1024, 4096) is WORD_GEMM128 and at(m, 4096, 14336) is WORD_GEMM128, m
