@@ -6,9 +6,9 @@ or written outside the tensors. PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every ten
 its own, so a read past one is a read outside an allocation. The cases: N odd and not a multiple of
 any tile, K = 384 (not a whole number of the 32-byte-lane steps: the fallbacks) and 512, blocksize 64
 and 128, M = 1, 3, 5, 19, 32, float16 and bfloat16, double quantization on and off, split-K auto and
-1, warps splitting K inside a program (warps_k 4 and 8), the word tl.dot kernel (split-K 1 and 3), through the
-first call and the bound plan. racecheck
-covers the shared memory those warps add their sums through. x is made of identity rows, so each output must equal the
+1, warps splitting K inside a program (warps_k 4 and 8), the word tl.dot kernel (split-K 1 and 3; 4 and 8
+warps), through the first call and the bound plan. racecheck covers the shared memory those warps add their sums
+through. x is made of identity rows, so each output must equal the
 dequantized weight bit for bit: the runs the sanitizer sees are exact ones. Set NF4_SANITIZER_LOG to a
 folder to keep the tool's output there.
 """
@@ -45,7 +45,11 @@ configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
            (LinearConfig(path="gemm", codebook=3, block_m=16, block_n=128, swap=True, num_stages=3, split_k=3), 32),
            # 256 rows of x per tile over 8 warps (WORD_GEMM256's shape), split-K 2
            (LinearConfig(path="gemm", codebook=3, block_m=256, block_n=128, num_warps=8, swap=True, num_stages=3,
-                         split_k=2), 32)]
+                         split_k=2), 32),
+           # 128 rows over 8 warps in one launch (WORD_GEMM128_W8's shape: its 16-bit store from the tl.dot loop
+           # said to run at least once)
+           (LinearConfig(path="gemm", codebook=3, block_m=128, block_n=128, block_k=64, num_warps=8, swap=True,
+                         num_stages=3, split_k=1), 32)]
 n_checked = 0
 for n, k in ((45, 384), (333, 512)):
     for blocksize in (64, 128):
