@@ -299,7 +299,7 @@ def routes_gemm_4bit(device_name: str, m: int) -> bool:
 
 
 SMALL_WEIGHT = 1024 * 4096
-LARGE_WEIGHT = 8192 * 4096  # weights from which WORD_GEMM256 takes rows shorter than 8192 (for_shape)
+LARGE_WEIGHT = 8192 * 4096  # weights from which the word GEMM rows take rows of 4096-8191 weights (for_shape)
 
 
 def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
@@ -317,16 +317,17 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     The word tl.dot rows (sweeps at 6215746 / 5cde365): at M = 17-32 a weight of at most SMALL_WEIGHT weights keeps
     GEMV_MMA32 (1024x4096, M = 32: 7.5 / 7.4 us against 8.2 / 10.5 on the H100 / H200); at M = 65-128 rows shorter
     than 4096 take nf4.dequantize + cuBLAS (8192x2048, M = 128: 25.0 / 20.9 us against 26.3 / 25.4); at M = 129-256
-    rows shorter than 8192 of a weight of fewer than LARGE_WEIGHT weights (WORD_GEMM256's sweeps at 1042431: it won
-    on 14336x4096, 4096x14336 and 2048x8192 and lost on 4096x4096, 8192x2048 and 1024x4096; the bound lies
-    between 2^24 and 14336x4096's 58.7M weights, where no weight was swept); at M = 65-128 the other rows of
-    at least 4096 weights, but shorter than 8192, of a weight of LARGE_WEIGHT weights or more take WORD_GEMM128_W8
-    (its sweeps at 0f747f3), and at M = 17-32 WORD_GEMM32_S8."""
+    rows shorter than 8192 do too, but for rows of 4096 or more in a weight of LARGE_WEIGHT weights or more
+    (WORD_GEMM256's sweeps at 1042431: it won on 14336x4096, 4096x14336 and 2048x8192 and lost on 4096x4096,
+    8192x2048 and 1024x4096; the bound lies between 2^24 weights and 14336x4096's 58.7M, where no weight was swept).
+    Those large weights with rows of 4096-8191 take WORD_GEMM128_W8 at M = 65-128 and WORD_GEMM32_S8 at M = 17-32
+    (their sweeps at 0f747f3)."""
     if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
         return GEMV_MMA32
     if config is WORD_GEMM32 and 4096 <= k < 8192 and n * k >= LARGE_WEIGHT:
         return WORD_GEMM32_S8
-    if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192 and n * k < LARGE_WEIGHT):
+    if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192
+                                                  and (n * k < LARGE_WEIGHT or k < 4096)):
         return DEQUANT
     if config is WORD_GEMM128 and k < 8192 and n * k >= LARGE_WEIGHT:
         return WORD_GEMM128_W8

@@ -541,6 +541,7 @@ def test_tuned_rows_for_a_weights_shape():
         assert at(m, 14336, 4096) is WORD_GEMM256 and at(m, 8192, 4096) is WORD_GEMM256, m
         assert at(m, 8191, 4096) is DEQUANT and at(m, 4096, 8192 - 64) is DEQUANT, m
         assert at(m, 4096, 4096) is DEQUANT and at(m, 8192, 2048) is DEQUANT and at(m, 1024, 4096) is DEQUANT, m
+        assert at(m, 16384, 2048) is DEQUANT, m  # a large weight of short rows: not swept, the dequant path kept
     assert at(257, 4096, 14336) is DEQUANT and tuned(h100, 256) is WORD_GEMM256
     assert at(1, 1024, 2048, backward=True) is tuned(h100, 1, True)  # the backward rows are not adjusted
     assert at(1, 1024, 2048, name="") is pick(INTERPRETER["forward"], 1)  # nor the interpreter's
