@@ -322,14 +322,14 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     8192x2048 and 1024x4096; the bound lies between 2^24 weights and 14336x4096's 58.7M, where no weight was swept).
     Those large weights with rows of 4096-8191 take WORD_GEMM128_W8 at M = 65-128 and WORD_GEMM32_S8 at M = 17-32
     (their sweeps at 0f747f3)."""
+    large_short = 4096 <= k < 8192 and n * k >= LARGE_WEIGHT  # a large weight with rows of 4096-8191
     if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
         return GEMV_MMA32
-    if config is WORD_GEMM32 and 4096 <= k < 8192 and n * k >= LARGE_WEIGHT:
+    if config is WORD_GEMM32 and large_short:
         return WORD_GEMM32_S8
-    if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192
-                                                  and (n * k < LARGE_WEIGHT or k < 4096)):
+    if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192 and not large_short):
         return DEQUANT
-    if config is WORD_GEMM128 and k < 8192 and n * k >= LARGE_WEIGHT:
+    if config is WORD_GEMM128 and large_short:
         return WORD_GEMM128_W8
     if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
         return config
