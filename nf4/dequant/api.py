@@ -68,6 +68,7 @@ class _Plan:
         "shape",
         "state2",
         "state2_absmax",
+        "strides",
         "template",
     )
 
@@ -108,7 +109,8 @@ class _Plan:
     def run(self, packed_ptr: int, transpose: bool, out=None) -> torch.Tensor:
         """Launch on the packed bytes at packed_ptr into `out` (allocated when None)."""
         if out is None:
-            out = self.template.new_empty(self.shape)  # cheaper to call than torch.empty(shape, dtype=, device=)
+            # cheaper to call than torch.empty(shape, dtype=, device=) and than new_empty (the strides are given)
+            out = self.template.new_empty_strided(self.shape, self.strides)
         bound = self.bound
         bound.fn(bound.ctx, _raw_stream(self.device_index), packed_ptr, out.data_ptr())
         return out.t() if transpose else out
@@ -192,6 +194,7 @@ def _make_plan(packed, qs, compiled, args, grid_x, config, asked=None) -> None:
     plan.out_dtype = out.dtype
     plan.out_aligned = out.data_ptr() % 16 == 0  # the kernel was specialised on it
     plan.template = torch.empty(0, dtype=out.dtype, device=packed.device)
+    plan.strides = contiguous_strides(plan.shape)
     plan.grid_x, plan.blocksize = grid_x, qs.blocksize
     plan.bound = runtime.bind(compiled, nf4_dequantize_kernel, (grid_x,), args, ("packed_ptr", "out_ptr"),
                               plan.device_index, native=config.native_launch, direct=config.direct_launch)
@@ -236,6 +239,15 @@ def traced_tables(device: torch.device) -> tuple:
 
     fill_tables(device)
     return _code_cache[(device, False)], _code_cache[(device, True)], _dummy_cache[device]
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides torch gives a contiguous tensor of `shape` (for Tensor.new_empty_strided)."""
+    strides, step = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _module_weight(module):

@@ -26,7 +26,7 @@ import torch
 import triton
 
 from .. import runtime
-from ..dequant.api import _check_state, _dummy, _unpack_module, code_table
+from ..dequant.api import _check_state, _dummy, _unpack_module, code_table, contiguous_strides
 from ..dequant.api import dequantize as _dequantize
 from .config import INTERPRET_PROGRAMS, LinearConfig, fallback, tuned
 from .kernel import (
@@ -58,6 +58,7 @@ class _Weight:
         "code2",
         "device",
         "dtype",
+        "fast",
         "fused",
         "index",
         "launches",
@@ -80,7 +81,7 @@ class _Weight:
                 and (self.state2 is None or (self.state2.absmax is self.state2_absmax
                                              and self.state2.code is self.state2_code))
                 and packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
-                and packed.device == self.device)
+                and packed.get_device() == self.index)
 
 
 def _device_name(device: torch.device) -> str:
@@ -128,6 +129,7 @@ def weight_state(packed: torch.Tensor, qs) -> _Weight:
     # -2 (nothing) elsewhere (the meta device of an offline compile: never a repeat call)
     w.index = packed.device.index if packed.device.type == "cuda" else -1 if packed.device.type == "cpu" else -2
     w.launches = {}
+    w.fast = {}
     key = id(qs)
     if key not in _weights:
         weakref.finalize(qs, _weights.pop, key, None)
@@ -575,8 +577,47 @@ def _repeat(x, packed, quant_state, w: _Weight, bias):
             # training: the backward runs later on autograd's thread, with __torch_function__ on again, so it gets
             # a plain alias of the packed bytes (no copy)
             return _LinearFn.apply(x, bias, _plain(packed), w, None, ftz)
-        return run(x, packed, w, bias, ftz=ftz)
+        y = run(x, packed, w, bias, ftz=ftz)
+        if bias is None and x.is_contiguous():
+            _remember_fast(x, w, ftz)
+        return y
     return None
+
+
+def _remember_fast(x, w: _Weight, ftz: bool, stream=runtime.raw_stream) -> None:
+    """Note the bound single launch of (x's shape and dtype, no bias, the default config) in `w.fast`, for
+    `_fast_call`; nothing where that key has no bound launch yet, or has two (a split-K sum) or the dequant
+    path. stream: what gives the current stream of a device index to launch on (a stand-in in tests)."""
+    shape = x.shape
+    plan = w.launches.get((x.numel() // shape[-1], x.dtype, False, False, None, ftz))
+    if type(plan) is tuple and plan is not _DEQUANT and plan[1] is None:
+        if len(w.fast) >= _FAST_LIMIT:
+            w.fast.clear()
+        out_shape = (*shape[:-1], w.N)
+        w.fast[shape] = (x.dtype, plan[0], out_shape, contiguous_strides(out_shape), stream)
+
+
+_FAST_LIMIT = 64  # shapes of x per weight with a fast entry
+
+
+
+def _fast_call(x, packed, qs, w: _Weight):
+    """The shortest repeat call: x of a shape and dtype that `_remember_fast` noted, no bias, no autograd
+    recording, the weight still as validated (`_Weight.matches`), x contiguous and both pointers 16-byte aligned
+    (as the bound launch was made for). The output, or None (then `_repeat` decides). The caller disables
+    __torch_function__ for a Params4bit `packed`."""
+    entry = w.fast.get(x.shape)
+    if (entry is None or entry[0] is not x.dtype or x.get_device() != w.index or not w.matches(qs, packed)
+            or not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled())
+            or torch.compiler.is_compiling()):
+        return None
+    x_ptr, packed_ptr = x.data_ptr(), packed.data_ptr()
+    if (x_ptr | packed_ptr) & 15:
+        return None
+    out = x.new_empty_strided(entry[2], entry[3])  # (cheaper to call than new_empty: the strides are given)
+    bound = entry[1]
+    bound.fn(bound.ctx, entry[4](w.index), x_ptr, packed_ptr, out.data_ptr())
+    return out
 
 
 def _plain(packed: torch.Tensor) -> torch.Tensor:
@@ -606,12 +647,16 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
         w = _weights.get(id(qs)) if qs is not None else None
         if w is not None:
             if type(weight) is torch.Tensor:
-                y = _repeat(x, weight, qs, w, bias)
+                y = _fast_call(x, weight, qs, w) if bias is None else None
+                if y is None:
+                    y = _repeat(x, weight, qs, w, bias)
             else:
                 # A Params4bit (bitsandbytes' Linear4bit passes its weight so) turns every method call into a
                 # Python __torch_function__ dispatch; none is needed to read its metadata and pointer.
                 with _NO_TORCH_FUNCTION():
-                    y = _repeat(x, weight, qs, w, bias)
+                    y = _fast_call(x, weight, qs, w) if bias is None else None
+                    if y is None:
+                        y = _repeat(x, weight, qs, w, bias)
             if y is not None:
                 return y
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
