@@ -57,6 +57,11 @@ MMA_GRID = [(2, 32, 12), (4, 32, 6), (8, 32, 3), (2, 16, 14), (4, 16, 7), (4, 32
 # split_k, programs_per_sm); split_k 1 is a single launch (no second kernel to add the partial sums).
 MMA_WK_GRID = [(w, wk, sb, 1, 8) for w in (4, 8, 16) for wk in (2, 4, 8, 16) if wk <= w for sb in (16, 32)] + [
     (4, 2, 32, 0, 12), (4, 4, 32, 0, 12), (8, 4, 16, 0, 4), (8, 8, 16, 0, 4), (4, 4, 16, 2, 8), (8, 8, 32, 2, 8)]
+# The same single-launch grid with the registers capped at 64 per thread (LinearConfig.maxnreg; --sweep-paths
+# mma-wk-reg): 4 programs of 256 threads per multiprocessor instead of 3 at the 80 registers Triton 3.6 gives these
+# kernels; offline sm_90a builds spill nothing with 16-byte steps and 68 bytes with 32-byte ones.
+MMA_WK_REG_GRID = [(w, wk, sb, 1, 8) for w in (4, 8, 16) for wk in (4, 8, 16) if wk <= w for sb in (16, 32)]
+WK_MAXNREG = 64
 # (block_m, block_n, block_k, warps, stages, swap, codebook); block_k is capped at the blocksize (64 here)
 GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128, 64, 4, 1, True, 2),
              (32, 64, 64, 4, 1, True, 2), (64, 64, 64, 4, 1, True, 2), (64, 128, 64, 4, 1, False, 2),
@@ -90,6 +95,9 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
                              programs_per_sm=p) for w, sb, p in MMA_GRID]
         out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w // wk, num_warps=w, warps_k=wk,
                              step_bytes=sb, split_k=sk, programs_per_sm=p) for w, wk, sb, sk, p in MMA_WK_GRID]
+        out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w // wk, num_warps=w, warps_k=wk,
+                             step_bytes=sb, split_k=sk, programs_per_sm=p, maxnreg=WK_MAXNREG)
+                for w, wk, sb, sk, p in MMA_WK_REG_GRID]
     top = max(16, triton_next_pow2(m))
     for bm, bn, bk, w, st, swap, cb in GEMM_GRID:
         if backward and swap:
@@ -106,10 +114,13 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
 
 
 def _family(config: LinearConfig) -> str:
-    """The --sweep-paths name of a config: gemv, mma (tensor-core GEMV), mma-wk (its warps splitting K), gemm."""
+    """The --sweep-paths name of a config: gemv, mma (tensor-core GEMV), mma-wk (its warps splitting K; mma-wk-reg with
+    its registers capped), gemm, wgemm (the word tl.dot kernel)."""
     if config.path == "gemm" and config.codebook == 3:
         return "wgemm"
-    return ("mma-wk" if config.warps_k > 1 else "mma") if config.mma else config.path
+    if config.mma and config.warps_k > 1:
+        return "mma-wk-reg" if config.maxnreg is not None else "mma-wk"
+    return "mma" if config.mma else config.path
 
 
 def triton_next_pow2(v: int) -> int:
@@ -381,6 +392,8 @@ def _fmt(r) -> str:
     c = ""
     if cfg:
         c = (f" gemv r{cfg['block_r']} w{cfg['num_warps']} cb{cfg['codebook']} p{cfg['programs_per_sm']}"
+             + (f" wk{cfg['warps_k']} s{cfg['step_bytes']}" if cfg.get("mma") else "")
+             + (f" reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
              if cfg["path"] == "gemv" else
              f" {cfg['path']} {cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} "
              f"w{cfg['num_warps']} st{cfg['num_stages']}{' swap' if cfg.get('swap') else ''} cb{cfg['codebook']}")
@@ -403,7 +416,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="only nf4's sweep rows (tuning runs)")
     ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "mma", "gemm"],
                     help="config families to sweep (gemv, mma: the tensor-core GEMV, mma-wk: its warps splitting K, "
-                         "gemm, wgemm: the word tl.dot kernel, dequant: nf4.dequantize + cuBLAS)")
+                         "mma-wk-reg: the same with 64 registers per thread, gemm, wgemm: the word tl.dot kernel, "
+                         "dequant: nf4.dequantize + cuBLAS)")
     ap.add_argument("--out", default=os.path.join("build", "linear", "bench.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -233,6 +233,8 @@ def kernel_args(x, packed, w, bias, out, m: int, trans: bool, config: LinearConf
         args.update(BLOCK_M=triton.next_power_of_2(m), BLOCK_R=config.block_r, HALF=half, SPLIT=split, SEG=seg,
                     PARTIAL=split > 1 and not trans)
         options = {"num_warps": config.num_warps}
+        if config.maxnreg is not None:
+            options["maxnreg"] = config.maxnreg
         if trans:
             return [(nf4_gemv_kernel, (triton.cdiv(kb, half),), args, options)]
         kernel = nf4_gemv_kernel

@@ -64,6 +64,9 @@ class LinearConfig:
     evict: str = "evict_first"  # eviction policy of the packed bytes (read once per x tile)
     bf16_bits: bool = False  # round to bfloat16 with integer ops on the GPU too (the interpreter always does)
     plan: bool = True  # remember validated calls (the cheap repeat call)
+    # registers per thread the compiler may use (PTX .maxnreg), None: its own choice. Fewer registers let more
+    # programs share a multiprocessor (64 for programs of 256 threads: 4 per multiprocessor, not 3 at 80)
+    maxnreg: int | None = None
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -90,6 +93,10 @@ class LinearConfig:
                              f"{self.block_m}, {self.block_n}, {self.block_k}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"LinearConfig.num_warps must be a power of two up to 16, got {self.num_warps}")
+        if self.maxnreg is not None and type(self.maxnreg) is not int:
+            raise TypeError(f"LinearConfig.maxnreg must be None or an int, got {self.maxnreg!r}")
+        if self.maxnreg is not None and not 16 <= self.maxnreg <= 255:
+            raise ValueError(f"LinearConfig.maxnreg must be in 16..255 (registers per thread), got {self.maxnreg}")
         if self.codebook not in (0, 1, 2, 3):
             raise ValueError(f"LinearConfig.codebook must be 0, 1, 2 or 3, got {self.codebook}")
         if self.mma and (self.path != "gemv" or self.codebook != 3):

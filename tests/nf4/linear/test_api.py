@@ -566,3 +566,23 @@ def test_dequantize_matmul_opaque_op(nf4h, lin, trans):
     wt = nf4.dequantize(packed, qs, ftz=False)
     want = x @ wt if trans else torch.nn.functional.linear(x, wt, bias)
     assert_bitexact(torch.ops.nf4.dequantize_matmul_opaque(*args), want, name="opaque op")
+
+
+def test_maxnreg_reaches_the_compile_options_and_changes_no_result(nf4h):
+    """LinearConfig.maxnreg is a compile option of the GEMV launches (PTX .maxnreg on a GPU; the offline sm_90a
+    builds of experiments bench-linear's mma-wk-reg grid), absent where it is None; in Triton's interpreter a
+    GEMV config with it gives its product without it, bit for bit."""
+    from nf4.linear import api
+    from nf4.linear import config as linear_config
+
+    packed, qs = nf4h.quantize((45, 256), torch.bfloat16, 64, True, seed=nf4h.case_seed("maxnreg"))
+    w = api._weight(packed, qs)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    out = torch.empty((3, 45), dtype=torch.bfloat16)
+    capped = linear_config.GEMV_MMA_WK.with_(maxnreg=64)
+    for config, want in ((capped, {"num_warps": 8, "maxnreg": 64}), (linear_config.GEMV_MMA_WK, {"num_warps": 8})):
+        ((fn, _, _, options),) = api.kernel_args(x, packed, w, None, out, 3, False, config, True, False,
+                                                 mma_check=lambda *a: True)
+        assert fn.__name__ == "nf4_gemv_mma_kernel" and options == want
+    plain = LinearConfig(path="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0)
+    assert_bitexact(nf4.linear(x, packed, qs, config=plain.with_(maxnreg=40)), nf4.linear(x, packed, qs, config=plain))

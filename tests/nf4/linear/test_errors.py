@@ -134,6 +134,8 @@ BAD_CONFIG = [
      r"LinearConfig\.warps_k > 1 needs mma=True \(the tensor-core GEMV\), got 2"),
     ("warps_k-block_r", {"mma": True, "codebook": 3, "num_warps": 4, "block_r": 64, "warps_k": 2},
      r"LinearConfig\.block_r must be 16 \* num_warps / warps_k = 32 with mma=True .*got 64"),
+    ("maxnreg-small", {"maxnreg": 8}, r"LinearConfig\.maxnreg must be in 16\.\.255 \(registers per thread\), got 8"),
+    ("maxnreg-large", {"maxnreg": 256}, r"LinearConfig\.maxnreg must be in 16\.\.255 .*got 256"),
 ]
 
 BAD_CONFIG_TYPES = [
@@ -142,6 +144,8 @@ BAD_CONFIG_TYPES = [
     ("swap-int", {"swap": 1}, r"LinearConfig\.swap must be a bool, got 1"),
     ("warps_k-float", {"warps_k": 2.0}, r"LinearConfig\.warps_k must be an int, got 2.0"),
     ("persistent-bool", {"persistent": True}, r"LinearConfig\.persistent must be an int, got True"),
+    ("maxnreg-float", {"maxnreg": 64.0}, r"LinearConfig\.maxnreg must be None or an int, got 64\.0"),
+    ("maxnreg-bool", {"maxnreg": True}, r"LinearConfig\.maxnreg must be None or an int, got True"),
 ]
 
 
