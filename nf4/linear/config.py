@@ -166,6 +166,15 @@ GEMV_MMA_WK = LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_wa
 GEMV_MMA_WK16 = GEMV_MMA_WK.with_(step_bytes=16)
 # 4 warps splitting K 4 ways (l34's kernel): on rows too short for GEMV_MMA_WK (`for_shape`).
 GEMV_MMA_WK4 = GEMV_MMA_WK.with_(num_warps=4, warps_k=4)
+# 16 warps in 8 pairs, each pair splitting its 16 rows' K 2 ways: 128 rows per program, so that 14336 rows make 112
+# programs, one per multiprocessor, in a single launch (`for_shape`). Sweeps at a0a6bb3 (results/linear/tuning/
+# sweep_wkreg_{h100,h200}.json: the single-launch grid of warps x warps_k x step bytes, and the same at 64 registers
+# per thread; bf16, six weights, M = 1, 4, 8, every row operand-exact): on 14336x4096 the fastest at M = 1 and 4 on both
+# GPUs, 23.6 / 24.3 us on the H100 and 22.9 / 23.7 on the H200, against the table's GEMV_MMA_WK at M = 1 (24.3 / 24.3)
+# and GEMV_MMA_WK16 at M = 4 (25.4 / 24.8); 1.4-3.9x slower than the table's rows on the five other weights (fewer
+# programs than multiprocessors), and slower than GEMV_MMA_WK16 at M = 8. The 64-register grid was never the fastest
+# at M = 1 (1-8 % behind the best unrestricted config on every weight, both GPUs): occupancy is not what limits it.
+GEMV_MMA_WK2 = GEMV_MMA_WK.with_(num_warps=16, warps_k=2, block_r=128)
 DEQUANT = LinearConfig(path="dequant")
 # The word tl.dot kernel (nf4_gemm_word_kernel: the word GEMV's prmt decode, one row's 64-weight step per thread,
 # into tl.dot's first operand; wgmma on Hopper), split-K nearest 2 programs per multiprocessor: sweeps at 6215746
@@ -220,8 +229,8 @@ Rows = tuple[tuple[int | None, LinearConfig], ...]
 FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
     GEMV_MMA: GEMV_TABLE, GEMV_TABLE: GEMV, GEMV_MMA8: GEMV, GEMV_MMA16: ((4, GEMV_TABLE), (None, DEQUANT)),
     GEMV_MMA32: DEQUANT, GEMV_MMA_WK: GEMV_TABLE, GEMV_MMA_WK16: ((4, GEMV_TABLE), (None, DEQUANT)),
-    GEMV_MMA_WK4: GEMV_TABLE, WORD_GEMM32: DEQUANT, WORD_GEMM64: DEQUANT, WORD_GEMM128: DEQUANT,
-    WORD_GEMM128_W8: DEQUANT, WORD_GEMM32_S8: DEQUANT, WORD_GEMM256: DEQUANT}
+    GEMV_MMA_WK4: GEMV_TABLE, GEMV_MMA_WK2: GEMV_TABLE, WORD_GEMM32: DEQUANT, WORD_GEMM64: DEQUANT,
+    WORD_GEMM128: DEQUANT, WORD_GEMM128_W8: DEQUANT, WORD_GEMM32_S8: DEQUANT, WORD_GEMM256: DEQUANT}
 
 
 def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
@@ -328,7 +337,10 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
     (WORD_GEMM256's sweeps at 1042431: it won on 14336x4096, 4096x14336 and 2048x8192 and lost on 4096x4096,
     8192x2048 and 1024x4096; the bound lies between 2^24 weights and 14336x4096's 58.7M, where no weight was swept).
     Those large weights with rows of 4096-8191 take WORD_GEMM128_W8 at M = 65-128 and WORD_GEMM32_S8 at M = 17-32
-    (their sweeps at 0f747f3)."""
+    (their sweeps at 0f747f3).
+    At M <= 4 a weight of 14336-16384 rows of 4096 weights takes GEMV_MMA_WK2 (112-128 programs of 128 rows, about
+    one per multiprocessor; measured on 14336x4096 only, at a0a6bb3: 3-6 % faster than the rows it replaces at M = 1
+    and 4 on both GPUs)."""
     large_short = 4096 <= k < 8192 and n * k >= LARGE_WEIGHT  # a large weight with rows of 4096-8191
     if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
         return GEMV_MMA32
@@ -342,6 +354,8 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
         return config
     if k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:
         return GEMV_MMA_WK4
+    if k == 4096 and 14336 <= n <= 16384:
+        return GEMV_MMA_WK2
     return config
 
 

@@ -480,12 +480,14 @@ def test_tuned_rows_for_a_weights_shape():
     of weights under LARGE_WEIGHT (M = 129-256), to WORD_GEMM128_W8 (M = 65-128) and WORD_GEMM32_S8 (M = 17-32)
     on rows of 4096-8191 of larger weights; at M <= 4 the
     single-launch rows become GEMV_MMA_WK4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8
-    warps (2048 bytes); every other row and M, a weight of few rows, the backward, a call without the shape and
+    warps (2048 bytes), and GEMV_MMA_WK2 on 14336-16384 rows of 4096 weights; every other row and M, a weight of few
+    rows, the backward, a call without the shape and
     the interpreter's rows are as before."""
     from nf4.linear.config import (
         DEQUANT,
         GEMV_MMA32,
         GEMV_MMA_WK,
+        GEMV_MMA_WK2,
         GEMV_MMA_WK4,
         GEMV_MMA_WK16,
         INTERPRETER,
@@ -507,7 +509,11 @@ def test_tuned_rows_for_a_weights_shape():
 
     for m in (1, 2, 3, 4, 5, 8):
         short = GEMV_MMA_WK4 if m <= 4 else tuned(h100, m)
-        assert at(m, 14336, 4096) is tuned(h100, m), m  # 2048-byte rows: two steps a warp
+        tall = GEMV_MMA_WK2 if m <= 4 else tuned(h100, m)  # 14336-16384 rows of 4096 weights: 112-128 programs
+        assert at(m, 14336, 4096) is tall and at(m, 16384, 4096) is tall, m
+        assert at(m, 14336, 4096, name="NVIDIA H200") is tall, m
+        assert at(m, 12288, 4096) is tuned(h100, m) and at(m, 16512, 4096) is tuned(h100, m), m
+        assert at(m, 4096, 14336) is tuned(h100, m) and at(m, 14336, 8192) is tuned(h100, m), m
         assert at(m, 14336, 4096 - 128) is short, m
         assert at(m, 8192, 2048) is short, m
         assert at(m, 1024, 2048) is short, m  # few rows change nothing (split-K would cost a second launch)

@@ -28,7 +28,7 @@ import torch
 import bitsandbytes.functional as F
 import nf4
 from nf4.linear import LinearConfig
-from nf4.linear.config import GEMV_MMA, GEMV_TABLE
+from nf4.linear.config import GEMV_MMA, GEMV_MMA_WK2, GEMV_TABLE
 from verify.exact import assert_bitexact
 
 torch.manual_seed(11)
@@ -40,6 +40,9 @@ configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
            (GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1), 4),
            (LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8, step_bytes=16,
                          split_k=2), 32),
+           # 16 warps in 8 pairs that split K (GEMV_MMA_WK2, 14336x4096's row at M <= 4): 128 rows a program,
+           # most of them past these weights' last row
+           (GEMV_MMA_WK2, 4),
            # the word tl.dot kernel (unmasked word loads from rows clamped to the weight), alone and split-K 3
            (LinearConfig(path="gemm", codebook=3, block_m=32, block_n=128, swap=True, num_stages=3, split_k=1), 32),
            (LinearConfig(path="gemm", codebook=3, block_m=16, block_n=128, swap=True, num_stages=3, split_k=3), 32),
