@@ -602,7 +602,6 @@ def _remember_fast(x, w: _Weight, ftz: bool, stream=runtime.raw_stream) -> None:
 _FAST_LIMIT = 64  # shapes of x per weight with a fast entry
 
 
-
 def _fast_call(x, packed, qs, w: _Weight):
     """The shortest repeat call: x of a shape and dtype that `_remember_fast` noted, no bias, no autograd
     recording, the weight still as validated (`_Weight.matches`), x contiguous and both pointers 16-byte aligned
