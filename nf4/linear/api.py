@@ -568,7 +568,12 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 def _repeat(x, packed, quant_state, w: _Weight, bias):
     """`run` (or, where autograd records, `_LinearFn`) for a repeat call that needs no checks beyond these (else
-    None: the full path decides). The caller disables __torch_function__ for a Params4bit `packed`."""
+    None: the full path decides), through `_fast_call` where it applies. The caller disables __torch_function__ for a
+    Params4bit `packed`."""
+    if bias is None:
+        y = _fast_call(x, packed, quant_state, w)
+        if y is not None:
+            return y
     if (x.dtype in _X_DTYPES and w.fused and x.get_device() == w.index and x.shape[-1] == w.K
             and w.matches(quant_state, packed)
             and (bias is None or (type(bias) is torch.Tensor and bias.dtype is x.dtype and bias.dim() == 1
@@ -648,16 +653,12 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
         w = _weights.get(id(qs)) if qs is not None else None
         if w is not None:
             if type(weight) is torch.Tensor:
-                y = _fast_call(x, weight, qs, w) if bias is None else None
-                if y is None:
-                    y = _repeat(x, weight, qs, w, bias)
+                y = _repeat(x, weight, qs, w, bias)
             else:
                 # A Params4bit (bitsandbytes' Linear4bit passes its weight so) turns every method call into a
                 # Python __torch_function__ dispatch; none is needed to read its metadata and pointer.
                 with _NO_TORCH_FUNCTION():
-                    y = _fast_call(x, weight, qs, w) if bias is None else None
-                    if y is None:
-                        y = _repeat(x, weight, qs, w, bias)
+                    y = _repeat(x, weight, qs, w, bias)
             if y is not None:
                 return y
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:

@@ -29,6 +29,10 @@ METRICS = (("Duration", "duration under ncu (\\textmu s)", us),
            ("DRAM Throughput", "DRAM throughput (\\% of peak)", pct),
            ("Issue Slots Busy", "issue slots busy (\\%)", pct),
            ("Warp Cycles Per Issued Instruction", "warp cycles per issued instruction", lambda v: num(v, 2)))
+FORMAT = {key: fmt for key, _, fmt in METRICS}
+# (macro name part, metric name): the macros per kernel, formatted as the table formats them
+MACROS = (("Regs", "Registers Per Thread"), ("PerSm", "Block Limit Registers"), ("Waves", "Waves Per SM"),
+          ("Occupancy", "Achieved Occupancy"), ("Dram", "DRAM Throughput"), ("IssueBusy", "Issue Slots Busy"))
 STALL = re.compile(r"smsp__average_warps_issue_stalled_([a-z_]+?)_per_issue_active\.ratio\s+\S+\s+([-\d.,]+)")
 GRID = re.compile(r"^\s+(\w+) \((\d+), 1, 1\)x\((\d+), 1, 1\)", re.M)
 GPU_TAG = "h100"  # the reports were taken on the H100 (ncu reads the counters on its machines)
@@ -51,13 +55,17 @@ def launch(text: str) -> tuple[str, int, int] | None:
     return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
 
 
+def top_stalls(text: str) -> list[tuple[str, float]]:
+    """The report's three largest stall reasons, largest first."""
+    return sorted(stalls(text).items(), key=lambda kv: -kv[1])[:3]
+
+
 def load(doc: Document) -> dict:
     """{(N, K, M): {"report": text, "stalls": text}} for the reports present, recorded in the provenance."""
-    folder = doc.results / "linear" / "ncu"
     found: dict = {}
     for (n, k, m), _, _ in CASES:
-        for kind, prefix in (("report", "ncu"), ("stalls", "ncu_stalls")):
-            path = folder / f"{prefix}_{GPU_TAG}_{n}x{k}_M{m}.txt"
+        for kind, stalls_report in (("report", False), ("stalls", True)):
+            path = report_path(doc.results, n, k, m, stalls_report)
             if path.exists():
                 raw = path.read_bytes()
                 doc.record(f"results/linear/ncu/{path.name}", raw, "ncu report", None)
@@ -97,17 +105,11 @@ def build(doc: Document, data: dict | None, sweeps: dict | None = None) -> None:
     for (n, k, m), _, stem in CASES:
         texts = data.get((n, k, m)) or {}
         report = texts.get("report") or ""
-        for name, key in (("Regs", "Registers Per Thread"), ("Waves", "Waves Per SM"),
-                          ("Occupancy", "Achieved Occupancy"), ("Dram", "DRAM Throughput"),
-                          ("IssueBusy", "Issue Slots Busy")):
-            v = metric(report, key)
-            doc.macro(f"NFncu{stem}{name}", NM if v is None else (num(v, 2) if key == "Waves Per SM" else
-                                                                   num(v, 0) if key == "Registers Per Thread" else
-                                                                   pct(v)))
-        doc.macro(f"NFncu{stem}PerSm", num(metric(report, "Block Limit Registers"), 0))
+        for name, key in MACROS:
+            doc.macro(f"NFncu{stem}{name}", FORMAT[key](metric(report, key)))
         found = launch(report)
         doc.macro(f"NFncu{stem}Programs", str(found[1]) if found else NM)
-        top = sorted(stalls(texts.get("stalls") or "").items(), key=lambda kv: -kv[1])[:3]
+        top = top_stalls(texts.get("stalls") or "")
         for i, word in enumerate(("First", "Second", "Third")):
             reason, value = top[i] if i < len(top) else (None, None)
             doc.macro(f"NFncu{stem}Stall{word}", tex(reason.replace("_", " ")) if reason else NM)
@@ -135,8 +137,7 @@ def _table(doc: Document, data: dict) -> None:
     lines.append(r"\midrule")
     lines.append(row([r"\multicolumn{" + str(len(CASES) + 1) + r"}{l}{warps stalled per issued instruction, "
                       r"the three largest reasons}"]))
-    tops = [sorted(stalls((data.get(case) or {}).get("stalls") or "").items(), key=lambda kv: -kv[1])[:3]
-            for case, _, _ in CASES]
+    tops = [top_stalls((data.get(case) or {}).get("stalls") or "") for case, _, _ in CASES]
     for i in range(3):
         lines.append(row([f"{i + 1}."] + [f"{tex(t[i][0].replace('_', ' '))} {num(t[i][1], 2)}" if i < len(t) else NM
                                           for t in tops]))
