@@ -22,6 +22,7 @@ the Python `functional.dequantize_4bit`, so the CPU forward is not routed; the b
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import subprocess
 import sys
@@ -804,12 +805,15 @@ def test_fused_route_conditions(nf4h, double_quant):
         packed_fp4, state_fp4 = F.quantize_4bit(w_fp4, blocksize=64, compress_statistics=double_quant,
                                                 quant_type="fp4")
         _, state_kn = nf4h.quantize((128, 37), torch.bfloat16, 64, double_quant, seed=seed + 4)
+        cpu_packed = copy.copy(state)
+        cpu_packed.packing_format_for_cpu = True  # what bitsandbytes' _convert_weight_packed_for_cpu sets
         declined = [
             (a, packed_fp4, state_fp4, None, None),  # FP4
             (nf4h.make_weight((4, 128), torch.bfloat16, seed + 5), packed, state_kn, None, None),  # [K, N]
             (a.float(), packed, state, None, bias.float()),  # fp32 x
             (nf4h.make_weight((4097, 128), torch.bfloat16, seed + 6), packed, state, None, bias),  # past the rows
             (a, packed, state, None, bias.float()),  # a float32 bias for bf16 x: nf4.linear raises, bnb decides
+            (a, packed, cpu_packed, None, bias),  # bitsandbytes' CPU repacking (another layout)
         ]
         for args in declined:
             assert route(*args) == "original"
@@ -818,6 +822,38 @@ def test_fused_route_conditions(nf4h, double_quant):
     with nf4.patched_bitsandbytes():  # the plain mode: the replacement routes nothing
         assert route(a, packed, state, bias=bias) == "original"
     assert route(a, packed, state, bias=bias) == "original"  # not patched
+
+
+def test_flag_reads_without_a_python_getattr():
+    """`_flag` (the fused route's read of `packing_format_for_cpu`) gives getattr(obj, name, False) for an instance
+    attribute, a class attribute, a property and a missing name, and never calls a class's Python __getattr__ (a
+    QuantState's raises for a missing name on every call); objects without __dict__ go through getattr."""
+    from nf4.integrations.bitsandbytes import _flag
+
+    calls = []
+
+    class State:
+        marker = "class value"
+
+        @property
+        def prop(self):
+            return "property value"
+
+        def __getattr__(self, name):
+            calls.append(name)
+            raise AttributeError(name)
+
+    s = State()
+    assert _flag(s, "packing_format_for_cpu") is False and calls == []
+    s.packing_format_for_cpu = True
+    assert _flag(s, "packing_format_for_cpu") is True
+    assert _flag(s, "marker") == "class value" and _flag(s, "prop") == "property value" and calls == []
+    state = F.QuantState(absmax=torch.ones(1), shape=(1, 64), blocksize=64, quant_type="nf4")
+    assert _flag(state, "packing_format_for_cpu") is False
+    state.packing_format_for_cpu = True
+    assert _flag(state, "packing_format_for_cpu") is True
+    assert _flag((1, 2), "packing_format_for_cpu") is False  # no __dict__
+    assert _flag(types.SimpleNamespace(packing_format_for_cpu=1), "packing_format_for_cpu") == 1
 
 
 @needs_interpreter
