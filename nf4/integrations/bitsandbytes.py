@@ -317,7 +317,7 @@ def _flag(obj, name: str):
     QuantState has one, and `packing_format_for_cpu` is set only by bitsandbytes' CPU repacking, so the plain
     getattr raised and caught an AttributeError in Python on every routed call (1.3 us on this CPU)."""
     d = getattr(obj, "__dict__", None)
-    if d is None or name in d or "__getattr__" not in type(obj).__dict__ and not hasattr(type(obj), "__getattr__"):
+    if d is None or name in d or not hasattr(type(obj), "__getattr__"):
         return getattr(obj, name, False)
     value = getattr(type(obj), name, False)  # a class attribute (no instance __getattr__ on the class itself)
     return getattr(obj, name, False) if hasattr(value, "__get__") else value

@@ -9,7 +9,10 @@ dequantize and cuBLAS's matmuls). The bars are constants, evaluated here from th
 results/qlora_runs/qlora_1x512_<gpu>_r<i>.json (the same command at 1x512 only, repeated at one commit) give the
 run-to-run spread of the step bar: the smallest, median and largest speedup of each of nf4's modes over those runs,
 and in how many the fused route reached the bar; results/qlora_runs/qlora_1x512_s40_<gpu>_r<i>.json, runs with 40
-timed steps per mode (against 10 in the first repeats), the same statistics (and the dense bound's).
+timed steps per mode (against 10 in the first repeats), the same statistics (and the dense bound's);
+results/qlora_runs/qlora_1x512_s100_<gpu>_r<i>.json, runs with 100 timed steps at the current code, the same
+statistics and the bar judged by every run, beside the runs of the code before it (qlora_1x512_s100_<gpu>_<commit>_
+r<i>.json) made in the same device calls.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ MODES = (("nf4", r"\code{nf4.patched\_bitsandbytes()}"),
 
 RUNS = "qlora_runs"  # results/qlora_runs/qlora_1x512_<gpu>_r<i>.json: repeated runs at STEP_SHAPE
 LONG = "s40"  # results/qlora_runs/qlora_1x512_s40_<gpu>_r<i>.json: runs of STEP_SHAPE with 40 timed steps a mode
+# results/qlora_runs/qlora_1x512_s100_<gpu>_r<i>.json: runs with 100 timed steps a mode at the current code, and
+# ..._s100_<gpu>_<commit>_r<i>.json: runs of an earlier commit's code made in the same device calls (a before/after)
+LONGER = "s100"
 
 
 def load(doc: Document) -> dict | None:
@@ -49,6 +55,12 @@ def load(doc: Document) -> dict | None:
         runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA 40-step runs, {label}")
                 for name in names]
         out[f"{tag}_long"] = [r for r in runs if isinstance(r, dict)]
+        for key, pattern in ((f"{tag}_longer", f"qlora_{STEP_SHAPE}_{LONGER}_{tag}_r*.json"),
+                             (f"{tag}_before", f"qlora_{STEP_SHAPE}_{LONGER}_{tag}_*_r*.json")):
+            names = sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
+            runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA 100-step runs, {label}")
+                    for name in names]
+            out[key] = [r for r in runs if isinstance(r, dict)]
     return out or None
 
 
@@ -135,6 +147,7 @@ def build(doc: Document, data: dict | None) -> None:
                 doc.macro(f"NFqlora{name}{stem}{g}", ratio((modes.get(mode) or (None,))[0]))
         _spread_macros(doc, "NFqloraRuns", g, data.get(f"{tag}_runs") or [])
         _long_macros(doc, g, data.get(f"{tag}_long") or [])
+        _longer_macros(doc, g, data.get(f"{tag}_longer") or [], data.get(f"{tag}_before") or [])
     _table(doc, data)
 
 
@@ -146,6 +159,18 @@ def _long_macros(doc: Document, g: str, runs: list) -> None:
     doc.macro(f"NFqloraLongSteps{g}", "/".join(str(v) for v in steps) if steps else NM)
     doc.macro(f"NFqloraLongBarMedian{g}", NM if not fused else
               ("met" if statistics.median(fused) >= STEP_FACTOR else "missed"))
+
+
+def _longer_macros(doc: Document, g: str, runs: list, before: list) -> None:
+    """The 100-step runs: `_long_macros`' statistics under NFqloraLonger (the bar judged by every run, not by their
+    median: met when the smallest speedup reaches it) and the fused route's spread in the earlier commit's runs
+    made alongside them (NFqloraBefore)."""
+    fused = _spread_macros(doc, "NFqloraLonger", g, runs,
+                           (("nf4_fused", "Fused"), ("nf4", "Plain"), ("dense", "Dense")))
+    steps = sorted({(_step_row(p).get("bnb") or {}).get("n") for p in runs} - {None})
+    doc.macro(f"NFqloraLongerSteps{g}", "/".join(str(v) for v in steps) if steps else NM)
+    doc.macro(f"NFqloraLongerBarEvery{g}", NM if not fused else ("met" if fused[0] >= STEP_FACTOR else "missed"))
+    _spread_macros(doc, "NFqloraBefore", g, before)
 
 
 def _spread_macros(doc: Document, prefix: str, g: str, runs: list,
