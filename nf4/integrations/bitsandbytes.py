@@ -313,13 +313,16 @@ def route_gemm_4bit_choice(original, device_name=None):
 
 
 def _flag(obj, name: str):
-    """getattr(obj, name, False) without calling a Python `__getattr__` for a name the object lacks: bitsandbytes'
-    QuantState has one, and `packing_format_for_cpu` is set only by bitsandbytes' CPU repacking, so the plain
-    getattr raised and caught an AttributeError in Python on every routed call (1.3 us on this CPU)."""
+    """getattr(obj, name, False), without calling bitsandbytes' QuantState.__getattr__ for a name the state lacks.
+    That __getattr__ answers only names of packed state-dict keys and raises otherwise, and `packing_format_for_cpu`
+    is set only by bitsandbytes' CPU repacking, so the plain getattr raised and caught an AttributeError in Python on
+    every routed call (1.3 us on this CPU). Any other class's __getattr__ is consulted as getattr would (it might
+    answer the name)."""
+    cls = type(obj)
     d = getattr(obj, "__dict__", None)
-    if d is None or name in d or not hasattr(type(obj), "__getattr__"):
+    if d is None or name in d or cls.__name__ != "QuantState" or cls.__module__ != "bitsandbytes.functional":
         return getattr(obj, name, False)
-    value = getattr(type(obj), name, False)  # a class attribute (no instance __getattr__ on the class itself)
+    value = getattr(cls, name, False)  # a class attribute, or the default
     return getattr(obj, name, False) if hasattr(value, "__get__") else value
 
 

@@ -824,34 +824,33 @@ def test_fused_route_conditions(nf4h, double_quant):
     assert route(a, packed, state, bias=bias) == "original"  # not patched
 
 
-def test_flag_reads_without_a_python_getattr():
-    """`_flag` (the fused route's read of `packing_format_for_cpu`) gives getattr(obj, name, False) for an instance
-    attribute, a class attribute, a property and a missing name, and never calls a class's Python __getattr__ (a
-    QuantState's raises for a missing name on every call); objects without __dict__ go through getattr."""
+def test_flag_reads_without_quantstates_getattr(monkeypatch):
+    """`_flag` (the fused route's read of `packing_format_for_cpu`) gives getattr(obj, name, False): on a QuantState
+    without calling its Python __getattr__ (which raises for a missing name on every call), for an instance or a
+    class attribute; on any other object as getattr does, consulting its own __getattr__, which may answer."""
     from nf4.integrations.bitsandbytes import _flag
 
     calls = []
 
-    class State:
-        marker = "class value"
+    def counting_getattr(self, name):
+        calls.append(name)
+        raise AttributeError(name)
 
-        @property
-        def prop(self):
-            return "property value"
-
-        def __getattr__(self, name):
-            calls.append(name)
-            raise AttributeError(name)
-
-    s = State()
-    assert _flag(s, "packing_format_for_cpu") is False and calls == []
-    s.packing_format_for_cpu = True
-    assert _flag(s, "packing_format_for_cpu") is True
-    assert _flag(s, "marker") == "class value" and _flag(s, "prop") == "property value" and calls == []
+    monkeypatch.setattr(F.QuantState, "__getattr__", counting_getattr)
     state = F.QuantState(absmax=torch.ones(1), shape=(1, 64), blocksize=64, quant_type="nf4")
-    assert _flag(state, "packing_format_for_cpu") is False
+    assert _flag(state, "packing_format_for_cpu") is False and calls == []
+    monkeypatch.setattr(F.QuantState, "packing_format_for_cpu", "class value", raising=False)
+    assert _flag(state, "packing_format_for_cpu") == "class value" and calls == []
+    monkeypatch.delattr(F.QuantState, "packing_format_for_cpu")
     state.packing_format_for_cpu = True
-    assert _flag(state, "packing_format_for_cpu") is True
+    assert _flag(state, "packing_format_for_cpu") is True and calls == []
+    assert getattr(state, "missing", False) is False and calls == ["missing"]  # the patched __getattr__ is live
+
+    class Proxy:  # another class's __getattr__ may answer the name: it is asked
+        def __getattr__(self, name):
+            return name == "packing_format_for_cpu"
+
+    assert _flag(Proxy(), "packing_format_for_cpu") is True
     assert _flag((1, 2), "packing_format_for_cpu") is False  # no __dict__
     assert _flag(types.SimpleNamespace(packing_format_for_cpu=1), "packing_format_for_cpu") == 1
 
