@@ -186,6 +186,35 @@ def test_a_freed_weight_is_not_kept_alive(nf4h, lin):
         assert torch.cuda.memory_allocated() == before, "the packed weight's bytes are still allocated"
 
 
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_dequant_path_one_dimensional_x(nf4h, lin, grad, with_bias):
+    """A 1-D x on the dequant path: the repeat calls pass it to cuBLAS as it is (no 2-D view), and F.linear and
+    matmul take a 1-D x as the one-row product the first call's 2-D view gave: every call equals F.linear on
+    nf4.dequantize's weight for that row, bit for bit, and the backward's dY @ W picks W's row exactly."""
+    dequant = LinearConfig(path="dequant")
+    packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("dequant-1d", grad, with_bias),
+                               device=DEVICE)
+    wd = nf4.dequantize(packed, qs)
+    x = lin.randn((K,), torch.bfloat16, 76, device=DEVICE)
+    bias = lin.randn((N,), torch.bfloat16, 78, device=DEVICE) if with_bias else None
+    want = F.linear(x.unsqueeze(0), wd, bias)[0]
+    row = 5
+    dy = torch.zeros(N, dtype=torch.bfloat16, device=DEVICE)
+    dy[row] = 1.0
+    for i in range(3):
+        xi = x.clone().requires_grad_(grad)
+        y = nf4.linear(xi, packed, qs, bias=bias, config=dequant)
+        assert y.shape == (N,)
+        assert_bitexact(y.detach(), want, name=f"call {i}")
+        if grad:
+            y.backward(dy)
+            assert_bitexact(xi.grad, wd[row], name=f"x.grad of call {i}")
+    ftz = DEVICE == "cuda"
+    w = linear_api._weights[id(qs)]
+    assert w.launches.get((1, torch.bfloat16, with_bias, False, dequant, ftz)) is linear_api._DEQUANT
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_dequant_path_remembered_per_key(nf4h, lin, grad):
     """Where the config (the table's, or here the caller's) takes nf4.dequantize + cuBLAS, the key is marked once and
