@@ -40,28 +40,27 @@ LONGER = "s100"
 
 
 def load(doc: Document) -> dict | None:
-    """{gpu tag: payload} for the files present, or None (each missing file noted); the repeated runs of each GPU
-    under the key "<tag>_runs" (a list, empty when there are none)."""
+    """{gpu tag: payload} for the files present, or None (each missing file noted); each GPU's repeated runs under
+    "<tag>_runs", its 40-step runs under "<tag>_long", its 100-step runs under "<tag>_longer" and the earlier
+    commit's 100-step runs under "<tag>_before" (lists, empty when there are none)."""
     data = load_per_gpu(doc, (("qlora", " QLoRA step and decode"),), "qlora", "QLoRA table", folder="")
     out = {tag: kinds["qlora"] for tag, kinds in data.items()} if data else {}
-    folder = doc.results / RUNS
     for tag, _, label in GPUS:
-        names = sorted(p.name for p in folder.glob(f"qlora_{STEP_SHAPE}_{tag}_r*.json")) if folder.is_dir() else []
-        runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA spread, {label}")
-                for name in names]
-        out[f"{tag}_runs"] = [r for r in runs if isinstance(r, dict)]
-        pattern = f"qlora_{STEP_SHAPE}_{LONG}_{tag}_r*.json"
-        names = sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
-        runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA 40-step runs, {label}")
-                for name in names]
-        out[f"{tag}_long"] = [r for r in runs if isinstance(r, dict)]
-        for key, pattern in ((f"{tag}_longer", f"qlora_{STEP_SHAPE}_{LONGER}_{tag}_r*.json"),
-                             (f"{tag}_before", f"qlora_{STEP_SHAPE}_{LONGER}_{tag}_*_r*.json")):
-            names = sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
-            runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=f"QLoRA 100-step runs, {label}")
-                    for name in names]
-            out[key] = [r for r in runs if isinstance(r, dict)]
+        for key, pattern, what in (
+                ("runs", f"qlora_{STEP_SHAPE}_{tag}_r*.json", "QLoRA spread"),
+                ("long", f"qlora_{STEP_SHAPE}_{LONG}_{tag}_r*.json", "QLoRA 40-step runs"),
+                ("longer", f"qlora_{STEP_SHAPE}_{LONGER}_{tag}_r*.json", "QLoRA 100-step runs"),
+                ("before", f"qlora_{STEP_SHAPE}_{LONGER}_{tag}_*_r*.json", "QLoRA 100-step runs")):
+            out[f"{tag}_{key}"] = _load_runs(doc, pattern, f"{what}, {label}")
     return out or None
+
+
+def _load_runs(doc: Document, pattern: str, required_for: str) -> list:
+    """The payloads of results/qlora_runs/ files matching `pattern`, in name order (unreadable ones left out)."""
+    folder = doc.results / RUNS
+    names = sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
+    runs = [doc.load(f"{RUNS}/{name}", label="experiments qlora", required_for=required_for) for name in names]
+    return [r for r in runs if isinstance(r, dict)]
 
 
 def run_spread(runs: list, modes=OURS) -> dict:
@@ -151,12 +150,20 @@ def build(doc: Document, data: dict | None) -> None:
     _table(doc, data)
 
 
+WITH_DENSE = (("nf4_fused", "Fused"), ("nf4", "Plain"), ("dense", "Dense"))  # the longer runs' modes
+
+
+def _steps_macro(doc: Document, name: str, runs: list) -> None:
+    """`name`: the timed steps per mode of the runs ("40", or "40/100" where they differ)."""
+    steps = sorted({(_step_row(p).get("bnb") or {}).get("n") for p in runs} - {None})
+    doc.macro(name, "/".join(str(v) for v in steps) if steps else NM)
+
+
 def _long_macros(doc: Document, g: str, runs: list) -> None:
     """The runs of STEP_SHAPE with more timed steps: `_spread_macros`' statistics (the dense bound's too), the timed
     steps per mode, and the bar judged by the fused route's median."""
-    fused = _spread_macros(doc, "NFqloraLong", g, runs, (("nf4_fused", "Fused"), ("nf4", "Plain"), ("dense", "Dense")))
-    steps = sorted({(_step_row(p).get("bnb") or {}).get("n") for p in runs} - {None})
-    doc.macro(f"NFqloraLongSteps{g}", "/".join(str(v) for v in steps) if steps else NM)
+    fused = _spread_macros(doc, "NFqloraLong", g, runs, WITH_DENSE)
+    _steps_macro(doc, f"NFqloraLongSteps{g}", runs)
     doc.macro(f"NFqloraLongBarMedian{g}", NM if not fused else
               ("met" if statistics.median(fused) >= STEP_FACTOR else "missed"))
 
@@ -165,10 +172,8 @@ def _longer_macros(doc: Document, g: str, runs: list, before: list) -> None:
     """The 100-step runs: `_long_macros`' statistics under NFqloraLonger (the bar judged by every run, not by their
     median: met when the smallest speedup reaches it) and the fused route's spread in the earlier commit's runs
     made alongside them (NFqloraBefore)."""
-    fused = _spread_macros(doc, "NFqloraLonger", g, runs,
-                           (("nf4_fused", "Fused"), ("nf4", "Plain"), ("dense", "Dense")))
-    steps = sorted({(_step_row(p).get("bnb") or {}).get("n") for p in runs} - {None})
-    doc.macro(f"NFqloraLongerSteps{g}", "/".join(str(v) for v in steps) if steps else NM)
+    fused = _spread_macros(doc, "NFqloraLonger", g, runs, WITH_DENSE)
+    _steps_macro(doc, f"NFqloraLongerSteps{g}", runs)
     doc.macro(f"NFqloraLongerBarEvery{g}", NM if not fused else ("met" if fused[0] >= STEP_FACTOR else "missed"))
     _spread_macros(doc, "NFqloraBefore", g, before)
 
