@@ -1,5 +1,5 @@
-"""python -m experiments {list, run, sm75, bench, bench-linear, probe, gemv-limit, gemm-limit, linear-host, qlora,
-fsdp-qlora}: see experiments/README.md.
+"""python -m experiments {list, run, sm75, bench, bench-linear, probe, gemv-limit, gemm-limit, linear-bounds,
+linear-host, qlora, fsdp-qlora}: see experiments/README.md.
 
 Without a CUDA device, TRITON_INTERPRET=1 is set here, before anything imports triton, so that
 `run` checks the variants in Triton's interpreter. `sm75` (and `run --sm75`) compiles in a child
@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     sub.add_parser("gemm-limit", help="GPU (or --sass-only): nf4.linear's tl.dot kernel at M = 128-1024 cut into "
                    "its decode, its layout and its tensor-core loop, and their SASS (experiments.gemm_limit)",
                    add_help=False)
+    sub.add_parser("linear-bounds", help="GPU: the bars of nf4.linear as times beside cuBLAS, bitsandbytes and "
+                   "the fastest dense Triton GEMM inductor finds, none decoding (experiments.linear_bounds)",
+                   add_help=False)
     sub.add_parser("linear-host", help="GPU: host time of one 4-bit linear as a QLoRA step calls it, per mode and "
                    "call form (experiments.linear_host)", add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit",
-                            "gemm-limit", "linear-host"):
+                            "gemm-limit", "linear-bounds", "linear-host"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])
