@@ -39,6 +39,7 @@ from pathlib import Path
 from paper.latex import NM, Document
 from paper.sections import (
     bench,
+    bounds,
     challenge,
     claims,
     codebook,
@@ -84,6 +85,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/linear/", linear.build, linear.load(doc))
     doc.section("results/linear/gemv_limit_<gpu>.json", gemv_limit.build, gemv_limit.load(doc))
     doc.section("results/linear/gemm_limit_<gpu>.json", gemm_limit.build, gemm_limit.load(doc))
+    doc.section("results/linear/bounds/bounds_<gpu>.json", bounds.build, bounds.load(doc))
     doc.section("results/linear/ncu/", ncu.build, ncu.load(doc), ncu.load_sweep(doc))
     doc.section("results/qlora_<gpu>.json", qlora.build, qlora.load(doc))
     doc.section("results/linear/host_<gpu>.json", linear_host.build, linear_host.load(doc))
