@@ -11,6 +11,11 @@ GPU only. For each weight (default: the bars' 14336x4096, 4096x14336 and 4096x40
 - at M = 1, `cuBLAS GEMV, the packed bytes' count`: F.linear of one row on a bfloat16 weight [N, K / 4], which holds
   as many bytes as the packed NF4 weight: how long cuBLAS's own GEMV takes to read that many bytes (and nothing
   to decode), against the byte floor of bar (a);
+- at M <= INT4_MAX_M, `torch int4 GEMM (tinygemm)`: torch's own released 4-bit linear (`aten._weight_int4pack_mm`,
+  the tinygemm kernel) on a random weight of N x K with a bfloat16 scale and zero per 64 weights (0.5625 bytes a
+  weight against NF4's 0.516): a 4-bit kernel whose decode is linear (no codebook), beside nf4's. It is checked to
+  compute x times one fixed weight first: its output on identity rows is that weight, and its output on random x
+  stays within the float32 accumulation bound of the product with it;
 - at M >= TRITON_MIN_M, `Triton dense GEMM (inductor max-autotune)`: torch.compile of F.linear on the dequantized
   weight with inductor's GEMM autotuning restricted to its Triton templates (INDUCTOR_OPTIONS: no cuBLAS choice,
   the persistent TMA template allowed where this torch has it): the fastest dense Triton GEMM that torch's released
@@ -55,6 +60,8 @@ from .bench_linear import (
 
 DEFAULT_SHAPES = ("14336x4096", "4096x14336", "4096x4096")
 DEFAULT_MS = (1, 128, 256, 512, 1024, 4096)
+INT4_MAX_M = 512  # torch's int4 GEMM is timed up to this many rows of x (tinygemm is built for few rows)
+INT4_GROUP, INT4_INNER_K_TILES = 64, 8
 TRITON_MIN_M = 16  # the Triton dense GEMM is timed from this many rows of x (a GEMV is not what its templates are for)
 INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON",
                     "autotune_fallback_to_aten": False, "triton.enable_persistent_tma_matmul": True,
@@ -62,6 +69,7 @@ INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm": True, "max_autotu
 NF4, BNB, DEQ, CUBLAS = "nf4.linear", "bnb.matmul_4bit", "nf4.dequantize + cuBLAS", "cuBLAS"
 READ = "cuBLAS GEMV, the packed bytes' count"
 TRITON = "Triton dense GEMM (inductor max-autotune)"
+INT4 = "torch int4 GEMM (tinygemm)"
 
 
 def inductor_options() -> dict:
@@ -97,9 +105,17 @@ def measure(shape: str, ms, dtype, copy_gbs: float, options: dict, log=print, sa
     sets = make_weights(n, k, dtype, copies=timing.rotation_count(n * k // 2))
     wd = nf4.dequantize(*sets[0]).to(dtype)
     dense = [wd] + [wd.clone() for _ in range(timing.rotation_count(n * k * 2) - 1)]
+    int4 = None
+    if min(ms) <= INT4_MAX_M:
+        int4 = int4_weights(n, k, timing.rotation_count(n * k // 2))
+        if not isinstance(int4, str):
+            try:
+                int4 = (int4, int4_weight(int4, k))
+            except Exception as exc:  # reported in the rows that would have used it
+                int4 = f"{type(exc).__name__}: {exc}"[:300]
     rows = []
     for m in ms:
-        rows += _at_m(shape, m, sets, wd, dense, dtype, copy_gbs, options, log)
+        rows += _at_m(shape, m, sets, wd, dense, dtype, copy_gbs, options, log, int4)
         torch.cuda.empty_cache()
         if save is not None:
             save(rows)
@@ -109,7 +125,38 @@ def measure(shape: str, ms, dtype, copy_gbs: float, options: dict, log=print, sa
     return rows
 
 
-def _at_m(shape, m, sets, wd, dense, dtype, copy_gbs, options, log) -> list[dict]:
+def int4_weights(n: int, k: int, copies: int):
+    """(packed, scales and zeros) pairs for torch's int4 GEMM: one random 4-bit weight of n x k (bytes [n, k / 2] as
+    `aten._convert_weight_to_int4pack` takes them) with random bfloat16 scales and zeros per INT4_GROUP weights,
+    cloned for rotation; or the error text where this torch or GPU cannot build it."""
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(n * 31 + k)
+        raw = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        packed = torch.ops.aten._convert_weight_to_int4pack(raw, INT4_INNER_K_TILES)
+        scale = torch.rand((k // INT4_GROUP, n, 1), device="cuda", generator=gen) * 0.01 + 0.001
+        zero = (torch.rand((k // INT4_GROUP, n, 1), device="cuda", generator=gen) - 0.5) * 0.01
+        sz = torch.cat([scale, zero], dim=2).to(torch.bfloat16).contiguous()
+        return [(packed, sz)] + [(packed.clone(), sz.clone()) for _ in range(copies - 1)]
+    except Exception as exc:  # reported in the rows that would have used it
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def int4_mm(x, packed, sz):
+    return torch.ops.aten._weight_int4pack_mm(x, packed, INT4_GROUP, sz)
+
+
+def int4_weight(int4, k: int):
+    """The [N, K] weight the int4 GEMM multiplies by (its output on identity rows, in two halves of K), after
+    checking that 16 identity rows alone give the same columns (one weight whatever the number of rows)."""
+    packed, sz = int4[0]
+    eye = torch.eye(k, dtype=torch.bfloat16, device="cuda")
+    w = torch.cat([int4_mm(eye[: k // 2], packed, sz), int4_mm(eye[k // 2:], packed, sz)]).t()
+    if not torch.equal(int4_mm(eye[:16], packed, sz).t(), w[:, :16]):
+        raise AssertionError("the int4 GEMM's identity rows do not give one weight")
+    return w.contiguous()
+
+
+def _at_m(shape, m, sets, wd, dense, dtype, copy_gbs, options, log, int4=None) -> list[dict]:
     """The rows of one weight at M rows of x."""
     import bitsandbytes as bnb
 
@@ -144,6 +191,18 @@ def _at_m(shape, m, sets, wd, dense, dtype, copy_gbs, options, log) -> list[dict
         row(READ, lambda i: torch.nn.functional.linear(x4, small[i % len(small)]), len(small),
             weight_bytes=n * (k // 4) * 2)
         small.clear()
+    if m <= INT4_MAX_M and int4 is not None:
+        try:
+            if isinstance(int4, str):
+                raise RuntimeError(int4)
+            sets4, w4 = int4
+            ratio = sum_ratio(int4_mm(x, *sets4[0]), x, w4)
+            if not ratio <= 1.0:
+                raise AssertionError(f"outside the float32 accumulation bound: sum_ratio {ratio}")
+            row(INT4, lambda i: int4_mm(xid, *sets4[i % len(sets4)]), len(sets4), sum_ratio=round(ratio, 4))
+        except Exception as exc:  # reported in the row, not fatal
+            rows.append({**base, "part": INT4, "graph_us": None, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            log(f"  {shape} M={m:<5} {INT4}: {rows[-1]['error']}", flush=True)
     if m >= TRITON_MIN_M:
         t0 = time.time()
         try:
@@ -192,7 +251,8 @@ def bars(rows: list[dict]) -> list[dict]:
                 "nf4_meets": None if None in (target, nf4_us) else nf4_us <= target,
                 "control": control, "control_us": control_us,
                 "control_meets": None if None in (target, control_us) else control_us <= target,
-                "cublas_us": t(CUBLAS), "triton_dense_us": t(TRITON), "byte_floor_us": floor[key]}
+                "cublas_us": t(CUBLAS), "triton_dense_us": t(TRITON), "byte_floor_us": floor[key],
+                "int4_us": t(INT4), "int4_meets": None if None in (target, t(INT4)) else t(INT4) <= target}
         out.append(line)
     return out
 

@@ -23,7 +23,7 @@ def _rows(seed: int, drop=()):
         for m in MS:
             floor = rng.uniform(1, 20)
             parts = [lb.NF4, lb.BNB, lb.DEQ, lb.CUBLAS] + ([lb.READ] if m == 1 else []) + \
-                    ([lb.TRITON] if m >= lb.TRITON_MIN_M else [])
+                    ([lb.TRITON] if m >= lb.TRITON_MIN_M else []) + ([lb.INT4] if m <= lb.INT4_MAX_M else [])
             for part in parts:
                 if part in drop:
                     continue
@@ -70,19 +70,22 @@ def test_bars_lines_follow_the_issue(seed):
             assert line["control_meets"] is (t(control) <= target)
         assert line["cublas_us"] == t(lb.CUBLAS) and line["byte_floor_us"] == floor
         assert line["triton_dense_us"] == t(lb.TRITON)
+        assert line["int4_us"] == t(lb.INT4)
+        assert line["int4_meets"] is (None if t(lb.INT4) is None else t(lb.INT4) <= target)
 
 
 def test_bars_missing_times_give_none_not_a_verdict():
     """A part that failed (None) or is absent leaves the verdicts that need it undecided; bar (a) without
     bitsandbytes keeps its byte-floor half."""
     rows = _rows(5, drop={(4096, 4096, 1024, lb.CUBLAS), (4096, 4096, 512, lb.TRITON), (4096, 4096, 128, lb.NF4),
-                          (1000, 4160, 1, lb.BNB)})
+                          (1000, 4160, 1, lb.BNB), (4096, 4096, 256, lb.INT4)})
     lines = {(b["N"], b["K"], b["M"]): b for b in lb.bars(rows)}
     d = lines[(4096, 4096, 1024)]
     assert d["target_us"] is None and d["nf4_meets"] is None and d["control_meets"] is None
     c = lines[(4096, 4096, 512)]
     assert c["target_us"] is not None and c["control_us"] is None and c["control_meets"] is None
-    assert isinstance(c["nf4_meets"], bool)
+    assert isinstance(c["nf4_meets"], bool) and isinstance(c["int4_meets"], bool)
+    assert lines[(4096, 4096, 256)]["int4_us"] is None and lines[(4096, 4096, 256)]["int4_meets"] is None
     b = lines[(4096, 4096, 128)]
     assert b["nf4_us"] is None and b["nf4_meets"] is None
     a = lines[(1000, 4160, 1)]
