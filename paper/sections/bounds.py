@@ -1,11 +1,12 @@
 """results/linear/bounds/bounds_<gpu>.json (`python -m experiments linear-bounds`): the bars of the fused linear as
-times, next to released kernels that decode nothing.
+times, next to released kernels that decode nothing and torch's own 4-bit kernel.
 
-The table puts, per bar, weight and M, the bar's target time, nf4.linear's time and the decode-free control's time
-for each GPU, from the result file's `bars` (written by experiments.linear_bounds.bars from the same run's rows); the
-macros count the lines nf4.linear meets, those the control meets, and those the control meets and nf4.linear does
-not (where the gap is nf4's kernel, not Triton or the GPU), and carry the read control of bar (a) on the smallest
-weight.
+The table puts, per bar, weight and M, the bar's target time, nf4.linear's time, the decode-free control's time and
+torch's int4 GEMM's for each GPU, from the result file's `bars` (written by experiments.linear_bounds.bars from the
+same run's rows); the macros count the lines nf4.linear meets, those the control meets, those the control meets and
+nf4.linear does not (where the gap is nf4's kernel, not Triton or the GPU), those the int4 GEMM meets, and the lines
+whose control verdict an earlier run of the same GPU (results/linear/bounds/<commit>/) gave the other way; and they
+carry bar (a)'s times on the smallest and the largest weight.
 """
 
 from __future__ import annotations
@@ -14,14 +15,26 @@ from paper.latex import NM, Document, integer, missing_box, row, shape_tex, tex,
 from paper.sections.linear import GPUS, load_per_gpu
 
 SQUARE = (4096, 4096)  # the smallest weight of the M = 1 bar
+UP = (14336, 4096)  # the largest (the MLP's up projection)
 CONTROL_LABEL = {"cuBLAS GEMV, the packed bytes' count": "cuBLAS GEMV, same bytes",
                  "Triton dense GEMM (inductor max-autotune)": "Triton dense GEMM"}
 
 
 def load(doc: Document) -> dict | None:
-    """{gpu tag: payload} for the files present, or None (noted as missing)."""
+    """{gpu tag: payload} for the files present, or None (noted as missing); each payload gains "repeats": the
+    payloads of the same GPU's earlier runs kept in subfolders (results/linear/bounds/<commit>/bounds_<gpu>.json)."""
     data = load_per_gpu(doc, (("bounds", ""),), "linear-bounds", "linear bounds", folder="linear/bounds/")
-    return {tag: kinds["bounds"] for tag, kinds in data.items()} if data else None
+    if not data:
+        return None
+    out = {}
+    for tag, kinds in data.items():
+        payload = dict(kinds["bounds"])
+        folder = doc.results / "linear" / "bounds"
+        names = sorted(p.relative_to(doc.results).as_posix() for p in folder.glob(f"*/bounds_{tag}.json"))
+        payload["repeats"] = [r for r in (doc.load(n, label="experiments linear-bounds", required_for="repeat runs")
+                                          for n in names) if isinstance(r, dict)]
+        out[tag] = payload
+    return out
 
 
 def lines(payload) -> dict:
@@ -39,9 +52,23 @@ def counts(payload) -> dict:
     ls = list(lines(payload).values())
     judged = [b for b in ls if isinstance(b.get("nf4_meets"), bool)]
     ctrl = [b for b in ls if isinstance(b.get("control_meets"), bool)]
+    int4 = [b for b in ls if isinstance(b.get("int4_meets"), bool)]
     return {"lines": len(judged), "nf4_meets": sum(b["nf4_meets"] for b in judged),
             "control_lines": len(ctrl), "control_meets": sum(b["control_meets"] for b in ctrl),
-            "gap_ours": sum(1 for b in ctrl if b["control_meets"] and b.get("nf4_meets") is False)}
+            "gap_ours": sum(1 for b in ctrl if b["control_meets"] and b.get("nf4_meets") is False),
+            "int4_lines": len(int4), "int4_meets": sum(b["int4_meets"] for b in int4)}
+
+
+def flips(payload) -> int | None:
+    """Lines whose control verdict differs between this run and any of its repeats (both verdicts known), or None
+    without repeats."""
+    repeats = [lines(r) for r in (payload or {}).get("repeats") or []]
+    if not repeats:
+        return None
+    main = lines(payload)
+    return sum(1 for key, b in main.items() if isinstance(b.get("control_meets"), bool)
+               and any(isinstance(r.get(key, {}).get("control_meets"), bool)
+                       and r[key]["control_meets"] != b["control_meets"] for r in repeats))
 
 
 def _mark(v) -> str:
@@ -57,12 +84,19 @@ def build(doc: Document, data: dict | None) -> None:
         doc.macro(f"NFbndTorch{g}", tex(env["torch"]) if env.get("torch") else NM)
         c = counts(payload) if payload else {}
         for key, name in (("lines", "Lines"), ("nf4_meets", "NfMeets"), ("control_lines", "ControlLines"),
-                          ("control_meets", "ControlMeets"), ("gap_ours", "GapOurs")):
+                          ("control_meets", "ControlMeets"), ("gap_ours", "GapOurs"), ("int4_lines", "IntLines"),
+                          ("int4_meets", "IntMeets")):
             doc.macro(f"NFbnd{name}{g}", integer(c.get(key)) if payload else NM)
+        doc.macro(f"NFbndFlips{g}", integer(flips(payload)))
+        doc.macro(f"NFbndRepeats{g}", integer(len(payload.get("repeats") or [])) if payload else NM)
         a = lines(payload).get(("a", *SQUARE, 1)) or {}
         doc.macro(f"NFbndReadSquare{g}", us(a.get("control_us")))
         doc.macro(f"NFbndTargetSquare{g}", us(a.get("target_us")))
+        up = lines(payload).get(("a", *UP, 1)) or {}
+        for key, name in (("target_us", "Target"), ("nf4_us", "Nf"), ("int4_us", "Int"), ("control_us", "Read")):
+            doc.macro(f"NFbnd{name}Up{g}", us(up.get(key)))
     doc.macro("NFbndSquare", shape_tex(SQUARE))
+    doc.macro("NFbndUp", shape_tex(UP))
     _table(doc, data)
 
 
@@ -75,8 +109,8 @@ def _table(doc: Document, data: dict) -> None:
     keys = sorted({k for ls in per.values() for k in ls}, key=lambda k: (k[0], -k[1] * k[2], k[1], k[3]))
     head = ["bar", "weight", "$M$", "control"]
     for _, _, label in GPUS:
-        head += [f"{label} target", r"\code{nf4}", "control", "meets"]
-    lines_tex = [r"\begin{tabular}{lllr" + "rrrl" * len(GPUS) + "}", r"\toprule", row(head), r"\midrule"]
+        head += [f"{label} target", r"\code{nf4}", "control", "int4", "meets"]
+    lines_tex = [r"\begin{tabular}{lllr" + "rrrrl" * len(GPUS) + "}", r"\toprule", row(head), r"\midrule"]
     for key in keys:
         bar, n, k, m = key
         first = next((per[tag][key] for tag, _, _ in GPUS if key in per[tag]), {})
@@ -87,7 +121,7 @@ def _table(doc: Document, data: dict) -> None:
             meets = f"{_mark(b.get('nf4_meets'))} / {_mark(b.get('control_meets'))}" if control else \
                 _mark(b.get("nf4_meets"))
             cells += [us(b.get("target_us")), us(b.get("nf4_us")), us(b.get("control_us")) if control else "--",
-                      meets]
+                      us(b.get("int4_us")) if b.get("int4_us") is not None else "--", meets]
         lines_tex.append(row(cells))
     lines_tex += [r"\bottomrule", r"\end{tabular}"]
     doc.write("linear_bounds_table.tex", "\n".join(lines_tex) + "\n")

@@ -23,18 +23,24 @@ def _payload(seed: int) -> dict:
             control = READ if bar == "a" else None if bar == "b" else TRITON
             target, nf4_us = rng.uniform(5, 500), rng.uniform(5, 500)
             control_us = rng.uniform(5, 500) if control else None
+            int4_us = rng.uniform(5, 500) if m <= 512 else None
             bars.append({"bar": bar, "N": n, "K": k, "M": m, "dtype": "bfloat16", "target_us": target,
                          "nf4_us": nf4_us, "nf4_meets": nf4_us <= target, "control": control,
                          "control_us": control_us,
-                         "control_meets": None if control is None else control_us <= target})
+                         "control_meets": None if control is None else control_us <= target,
+                         "int4_us": int4_us, "int4_meets": None if int4_us is None else int4_us <= target})
     bars.append("not a line")
     return {"env": {"commit": "abcdef123", "torch": "2.11.0+cu130"}, "bars": bars, "rows": []}
 
 
-def _build(tmp_path, payloads: dict):
+def _build(tmp_path, payloads: dict, repeats: dict | None = None):
     (tmp_path / "linear" / "bounds").mkdir(parents=True)
     for tag, payload in payloads.items():
         (tmp_path / "linear" / "bounds" / f"bounds_{tag}.json").write_text(json.dumps(payload))
+    for folder, per_gpu in (repeats or {}).items():
+        (tmp_path / "linear" / "bounds" / folder).mkdir()
+        for tag, payload in per_gpu.items():
+            (tmp_path / "linear" / "bounds" / folder / f"bounds_{tag}.json").write_text(json.dumps(payload))
     doc = Document(tmp_path)
     bounds.build(doc, bounds.load(doc))
     macros = dict(re.findall(r"\\newcommand\{\\(NF[A-Za-z]+)\}\{(.*)\}", doc.macros_tex()))
@@ -45,11 +51,32 @@ def _cells(table: str) -> list[list[str]]:
     return [[c.strip() for c in line.rstrip("\\ ").split("&")] for line in table.splitlines() if "&" in line]
 
 
+def _flipped(payload: dict, keys) -> dict:
+    """A copy of a payload with the control verdicts of the lines at `keys` ((bar, N, K, M)) turned around."""
+    out = json.loads(json.dumps(payload))
+    for b in out["bars"]:
+        if isinstance(b, dict) and (b["bar"], b["N"], b["K"], b["M"]) in keys and b["control"]:
+            b["control_meets"] = not b["control_meets"]
+    return out
+
+
 def test_table_and_macros_come_from_the_bar_lines(tmp_path):
     payloads = {"h100": _payload(1), "h200": _payload(2)}
-    doc, macros = _build(tmp_path, payloads)
+    one = {("c", 4096, 4096, 256), ("b", 4096, 4096, 128)}  # (b) has no control: not a flip
+    two = {("d", 14336, 4096, 1024), ("a", 4096, 4096, 1)}
+    repeats = {"aaaaaaa": {"h100": _flipped(payloads["h100"], one)},
+               "bbbbbbb": {"h100": _flipped(payloads["h100"], two), "h200": payloads["h200"]}}
+    doc, macros = _build(tmp_path, payloads, repeats)
+    assert (macros["NFbndFlipsHOneHundred"], macros["NFbndRepeatsHOneHundred"]) == ("3", "2")
+    assert (macros["NFbndFlipsHTwoHundred"], macros["NFbndRepeatsHTwoHundred"]) == ("0", "1")
     for tag, g in (("h100", "HOneHundred"), ("h200", "HTwoHundred")):
         ls = [b for b in payloads[tag]["bars"] if isinstance(b, dict)]
+        i4 = [b for b in ls if b["int4_us"] is not None]
+        assert macros[f"NFbndIntLines{g}"] == str(len(i4))
+        assert macros[f"NFbndIntMeets{g}"] == str(sum(b["int4_meets"] for b in i4))
+        up = next(b for b in ls if (b["N"], b["K"], b["M"]) == (14336, 4096, 1))
+        assert [macros[f"NFbnd{n}Up{g}"] for n in ("Target", "Nf", "Int", "Read")] == [
+            f"{up[key]:.1f}" for key in ("target_us", "nf4_us", "int4_us", "control_us")]
         assert macros[f"NFbndLines{g}"] == str(len(ls))
         assert macros[f"NFbndNfMeets{g}"] == str(sum(b["nf4_meets"] for b in ls))
         ctrl = [b for b in ls if b["control"]]
@@ -68,7 +95,8 @@ def test_table_and_macros_come_from_the_bar_lines(tmp_path):
         for i, tag in enumerate(("h100", "h200")):
             b = next(x for x in payloads[tag]["bars"] if isinstance(x, dict)
                      and (x["bar"], x["N"], x["K"], x["M"]) == (bar, n, k, m))
-            target, nf4_us, control_us, meets = cells[4 + 4 * i: 8 + 4 * i]
+            target, nf4_us, control_us, int4_us, meets = cells[4 + 5 * i: 9 + 5 * i]
+            assert int4_us == (f"{b['int4_us']:.1f}" if b["int4_us"] is not None else "--")
             assert target == f"{b['target_us']:.1f}" and nf4_us == f"{b['nf4_us']:.1f}"
             yes = {True: "yes", False: "no"}
             if b["control"]:
@@ -85,3 +113,10 @@ def test_placeholders_without_the_files(tmp_path):
     assert any("bounds_h100.json" in m for m in doc.missing)
     macros = dict(re.findall(r"\\newcommand\{\\(NF[A-Za-z]+)\}\{(.*)\}", doc.macros_tex()))
     assert macros["NFbndLinesHOneHundred"] == NM and macros["NFbndReadSquareHTwoHundred"] == NM
+    assert macros["NFbndFlipsHOneHundred"] == NM and macros["NFbndIntUpHTwoHundred"] == NM
+
+
+def test_no_repeats_no_flip_count(tmp_path):
+    _, macros = _build(tmp_path, {"h100": _payload(4)})
+    assert macros["NFbndFlipsHOneHundred"] == NM and macros["NFbndRepeatsHOneHundred"] == "0"
+    assert macros["NFbndLinesHTwoHundred"] == NM
