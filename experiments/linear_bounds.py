@@ -105,14 +105,13 @@ def measure(shape: str, ms, dtype, copy_gbs: float, options: dict, log=print, sa
     sets = make_weights(n, k, dtype, copies=timing.rotation_count(n * k // 2))
     wd = nf4.dequantize(*sets[0]).to(dtype)
     dense = [wd] + [wd.clone() for _ in range(timing.rotation_count(n * k * 2) - 1)]
-    int4 = None
+    int4 = None  # (weights, the weight they multiply by), or the error text the rows that would use them report
     if min(ms) <= INT4_MAX_M:
-        int4 = int4_weights(n, k, timing.rotation_count(n * k // 2))
-        if not isinstance(int4, str):
-            try:
-                int4 = (int4, int4_weight(int4, k))
-            except Exception as exc:  # reported in the rows that would have used it
-                int4 = f"{type(exc).__name__}: {exc}"[:300]
+        try:
+            sets4 = int4_weights(n, k, timing.rotation_count(n * k // 2))
+            int4 = (sets4, int4_weight(sets4, k))
+        except Exception as exc:  # this torch or GPU cannot build or check them
+            int4 = f"{type(exc).__name__}: {exc}"[:300]
     rows = []
     for m in ms:
         rows += _at_m(shape, m, sets, wd, dense, dtype, copy_gbs, options, log, int4)
@@ -128,17 +127,14 @@ def measure(shape: str, ms, dtype, copy_gbs: float, options: dict, log=print, sa
 def int4_weights(n: int, k: int, copies: int):
     """(packed, scales and zeros) pairs for torch's int4 GEMM: one random 4-bit weight of n x k (bytes [n, k / 2] as
     `aten._convert_weight_to_int4pack` takes them) with random bfloat16 scales and zeros per INT4_GROUP weights,
-    cloned for rotation; or the error text where this torch or GPU cannot build it."""
-    try:
-        gen = torch.Generator(device="cuda").manual_seed(n * 31 + k)
-        raw = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-        packed = torch.ops.aten._convert_weight_to_int4pack(raw, INT4_INNER_K_TILES)
-        scale = torch.rand((k // INT4_GROUP, n, 1), device="cuda", generator=gen) * 0.01 + 0.001
-        zero = (torch.rand((k // INT4_GROUP, n, 1), device="cuda", generator=gen) - 0.5) * 0.01
-        sz = torch.cat([scale, zero], dim=2).to(torch.bfloat16).contiguous()
-        return [(packed, sz)] + [(packed.clone(), sz.clone()) for _ in range(copies - 1)]
-    except Exception as exc:  # reported in the rows that would have used it
-        return f"{type(exc).__name__}: {exc}"[:300]
+    cloned for rotation."""
+    gen = torch.Generator(device="cuda").manual_seed(n * 31 + k)
+    raw = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    packed = torch.ops.aten._convert_weight_to_int4pack(raw, INT4_INNER_K_TILES)
+    scale = torch.rand((k // INT4_GROUP, n, 1), device="cuda", generator=gen) * 0.01 + 0.001
+    zero = (torch.rand((k // INT4_GROUP, n, 1), device="cuda", generator=gen) - 0.5) * 0.01
+    sz = torch.cat([scale, zero], dim=2).to(torch.bfloat16).contiguous()
+    return [(packed, sz)] + [(packed.clone(), sz.clone()) for _ in range(copies - 1)]
 
 
 def int4_mm(x, packed, sz):

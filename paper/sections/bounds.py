@@ -26,10 +26,10 @@ def load(doc: Document) -> dict | None:
     data = load_per_gpu(doc, (("bounds", ""),), "linear-bounds", "linear bounds", folder="linear/bounds/")
     if not data:
         return None
+    folder = doc.results / "linear" / "bounds"
     out = {}
     for tag, kinds in data.items():
         payload = dict(kinds["bounds"])
-        folder = doc.results / "linear" / "bounds"
         names = sorted(p.relative_to(doc.results).as_posix() for p in folder.glob(f"*/bounds_{tag}.json"))
         payload["repeats"] = [r for r in (doc.load(n, label="experiments linear-bounds", required_for="repeat runs")
                                           for n in names) if isinstance(r, dict)]
@@ -46,10 +46,11 @@ def lines(payload) -> dict:
     return out
 
 
-def counts(payload) -> dict:
-    """Lines with a verdict for nf4.linear and how many it meets; the same for the control (lines that have one);
-    and the lines whose control meets the target where nf4.linear does not."""
-    ls = list(lines(payload).values())
+def counts(by_key: dict) -> dict:
+    """Of a payload's `lines`: those with a verdict for nf4.linear and how many it meets; the same for the control
+    (lines that have one) and for the int4 GEMM; and the lines whose control meets the target where nf4.linear does
+    not."""
+    ls = list(by_key.values())
     judged = [b for b in ls if isinstance(b.get("nf4_meets"), bool)]
     ctrl = [b for b in ls if isinstance(b.get("control_meets"), bool)]
     int4 = [b for b in ls if isinstance(b.get("int4_meets"), bool)]
@@ -59,13 +60,12 @@ def counts(payload) -> dict:
             "int4_lines": len(int4), "int4_meets": sum(b["int4_meets"] for b in int4)}
 
 
-def flips(payload) -> int | None:
-    """Lines whose control verdict differs between this run and any of its repeats (both verdicts known), or None
-    without repeats."""
+def flips(main: dict, payload) -> int | None:
+    """Lines of `main` (the payload's `lines`) whose control verdict differs between this run and any of its repeats
+    (both verdicts known), or None without repeats."""
     repeats = [lines(r) for r in (payload or {}).get("repeats") or []]
     if not repeats:
         return None
-    main = lines(payload)
     return sum(1 for key, b in main.items() if isinstance(b.get("control_meets"), bool)
                and any(isinstance(r.get(key, {}).get("control_meets"), bool)
                        and r[key]["control_meets"] != b["control_meets"] for r in repeats))
@@ -82,17 +82,18 @@ def build(doc: Document, data: dict | None) -> None:
         env = payload.get("env") or {}
         doc.macro(f"NFbndCommit{g}", tex(str(env.get("commit") or "")[:7]) if env.get("commit") else NM)
         doc.macro(f"NFbndTorch{g}", tex(env["torch"]) if env.get("torch") else NM)
-        c = counts(payload) if payload else {}
+        by_key = lines(payload)
+        c = counts(by_key) if payload else {}
         for key, name in (("lines", "Lines"), ("nf4_meets", "NfMeets"), ("control_lines", "ControlLines"),
                           ("control_meets", "ControlMeets"), ("gap_ours", "GapOurs"), ("int4_lines", "IntLines"),
                           ("int4_meets", "IntMeets")):
             doc.macro(f"NFbnd{name}{g}", integer(c.get(key)) if payload else NM)
-        doc.macro(f"NFbndFlips{g}", integer(flips(payload)))
+        doc.macro(f"NFbndFlips{g}", integer(flips(by_key, payload)))
         doc.macro(f"NFbndRepeats{g}", integer(len(payload.get("repeats") or [])) if payload else NM)
-        a = lines(payload).get(("a", *SQUARE, 1)) or {}
+        a = by_key.get(("a", *SQUARE, 1)) or {}
         doc.macro(f"NFbndReadSquare{g}", us(a.get("control_us")))
         doc.macro(f"NFbndTargetSquare{g}", us(a.get("target_us")))
-        up = lines(payload).get(("a", *UP, 1)) or {}
+        up = by_key.get(("a", *UP, 1)) or {}
         for key, name in (("target_us", "Target"), ("nf4_us", "Nf"), ("int4_us", "Int"), ("control_us", "Read")):
             doc.macro(f"NFbnd{name}Up{g}", us(up.get(key)))
     doc.macro("NFbndSquare", shape_tex(SQUARE))
