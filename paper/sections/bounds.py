@@ -4,8 +4,7 @@ times, next to released kernels that decode nothing and torch's own 4-bit kernel
 The table puts, per bar, weight and M, the bar's target time, nf4.linear's time, the decode-free control's time and
 torch's int4 GEMM's for each GPU, from the result file's `bars` (written by experiments.linear_bounds.bars from the
 same run's rows); the macros count the lines nf4.linear meets, those the control meets, those the control meets and
-nf4.linear does not (where the gap is nf4's kernel, not Triton or the GPU), those the int4 GEMM meets, and the lines
-whose control verdict an earlier run of the same GPU (results/linear/bounds/<commit>/) gave the other way; and they
+nf4.linear does not (where the gap is nf4's kernel, not Triton or the GPU) and those the int4 GEMM meets; and they
 carry bar (a)'s times on the smallest and the largest weight.
 """
 
@@ -21,20 +20,9 @@ CONTROL_LABEL = {"cuBLAS GEMV, the packed bytes' count": "cuBLAS GEMV, same byte
 
 
 def load(doc: Document) -> dict | None:
-    """{gpu tag: payload} for the files present, or None (noted as missing); each payload gains "repeats": the
-    payloads of the same GPU's earlier runs kept in subfolders (results/linear/bounds/<commit>/bounds_<gpu>.json)."""
+    """{gpu tag: payload} for the files present, or None (noted as missing)."""
     data = load_per_gpu(doc, (("bounds", ""),), "linear-bounds", "linear bounds", folder="linear/bounds/")
-    if not data:
-        return None
-    folder = doc.results / "linear" / "bounds"
-    out = {}
-    for tag, kinds in data.items():
-        payload = dict(kinds["bounds"])
-        names = sorted(p.relative_to(doc.results).as_posix() for p in folder.glob(f"*/bounds_{tag}.json"))
-        payload["repeats"] = [r for r in (doc.load(n, label="experiments linear-bounds", required_for="repeat runs")
-                                          for n in names) if isinstance(r, dict)]
-        out[tag] = payload
-    return out
+    return {tag: kinds["bounds"] for tag, kinds in data.items()} if data else None
 
 
 def lines(payload) -> dict:
@@ -60,17 +48,6 @@ def counts(by_key: dict) -> dict:
             "int4_lines": len(int4), "int4_meets": sum(b["int4_meets"] for b in int4)}
 
 
-def flips(main: dict, payload) -> int | None:
-    """Lines of `main` (the payload's `lines`) whose control verdict differs between this run and any of its repeats
-    (both verdicts known), or None without repeats."""
-    repeats = [lines(r) for r in (payload or {}).get("repeats") or []]
-    if not repeats:
-        return None
-    return sum(1 for key, b in main.items() if isinstance(b.get("control_meets"), bool)
-               and any(isinstance(r.get(key, {}).get("control_meets"), bool)
-                       and r[key]["control_meets"] != b["control_meets"] for r in repeats))
-
-
 def _mark(v) -> str:
     return {True: "yes", False: "no"}.get(v, NM)
 
@@ -88,8 +65,6 @@ def build(doc: Document, data: dict | None) -> None:
                           ("control_meets", "ControlMeets"), ("gap_ours", "GapOurs"), ("int4_lines", "IntLines"),
                           ("int4_meets", "IntMeets")):
             doc.macro(f"NFbnd{name}{g}", integer(c.get(key)) if payload else NM)
-        doc.macro(f"NFbndFlips{g}", integer(flips(by_key, payload)))
-        doc.macro(f"NFbndRepeats{g}", integer(len(payload.get("repeats") or [])) if payload else NM)
         a = by_key.get(("a", *SQUARE, 1)) or {}
         doc.macro(f"NFbndReadSquare{g}", us(a.get("control_us")))
         doc.macro(f"NFbndTargetSquare{g}", us(a.get("target_us")))

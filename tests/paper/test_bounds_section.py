@@ -33,14 +33,10 @@ def _payload(seed: int) -> dict:
     return {"env": {"commit": "abcdef123", "torch": "2.11.0+cu130"}, "bars": bars, "rows": []}
 
 
-def _build(tmp_path, payloads: dict, repeats: dict | None = None):
+def _build(tmp_path, payloads: dict):
     (tmp_path / "linear" / "bounds").mkdir(parents=True)
     for tag, payload in payloads.items():
         (tmp_path / "linear" / "bounds" / f"bounds_{tag}.json").write_text(json.dumps(payload))
-    for folder, per_gpu in (repeats or {}).items():
-        (tmp_path / "linear" / "bounds" / folder).mkdir()
-        for tag, payload in per_gpu.items():
-            (tmp_path / "linear" / "bounds" / folder / f"bounds_{tag}.json").write_text(json.dumps(payload))
     doc = Document(tmp_path)
     bounds.build(doc, bounds.load(doc))
     macros = dict(re.findall(r"\\newcommand\{\\(NF[A-Za-z]+)\}\{(.*)\}", doc.macros_tex()))
@@ -51,24 +47,9 @@ def _cells(table: str) -> list[list[str]]:
     return [[c.strip() for c in line.rstrip("\\ ").split("&")] for line in table.splitlines() if "&" in line]
 
 
-def _flipped(payload: dict, keys) -> dict:
-    """A copy of a payload with the control verdicts of the lines at `keys` ((bar, N, K, M)) turned around."""
-    out = json.loads(json.dumps(payload))
-    for b in out["bars"]:
-        if isinstance(b, dict) and (b["bar"], b["N"], b["K"], b["M"]) in keys and b["control"]:
-            b["control_meets"] = not b["control_meets"]
-    return out
-
-
 def test_table_and_macros_come_from_the_bar_lines(tmp_path):
     payloads = {"h100": _payload(1), "h200": _payload(2)}
-    one = {("c", 4096, 4096, 256), ("b", 4096, 4096, 128)}  # (b) has no control: not a flip
-    two = {("d", 14336, 4096, 1024), ("a", 4096, 4096, 1)}
-    repeats = {"aaaaaaa": {"h100": _flipped(payloads["h100"], one)},
-               "bbbbbbb": {"h100": _flipped(payloads["h100"], two), "h200": payloads["h200"]}}
-    doc, macros = _build(tmp_path, payloads, repeats)
-    assert (macros["NFbndFlipsHOneHundred"], macros["NFbndRepeatsHOneHundred"]) == ("3", "2")
-    assert (macros["NFbndFlipsHTwoHundred"], macros["NFbndRepeatsHTwoHundred"]) == ("0", "1")
+    doc, macros = _build(tmp_path, payloads)
     for tag, g in (("h100", "HOneHundred"), ("h200", "HTwoHundred")):
         ls = [b for b in payloads[tag]["bars"] if isinstance(b, dict)]
         i4 = [b for b in ls if b["int4_us"] is not None]
@@ -113,10 +94,9 @@ def test_placeholders_without_the_files(tmp_path):
     assert any("bounds_h100.json" in m for m in doc.missing)
     macros = dict(re.findall(r"\\newcommand\{\\(NF[A-Za-z]+)\}\{(.*)\}", doc.macros_tex()))
     assert macros["NFbndLinesHOneHundred"] == NM and macros["NFbndReadSquareHTwoHundred"] == NM
-    assert macros["NFbndFlipsHOneHundred"] == NM and macros["NFbndIntUpHTwoHundred"] == NM
+    assert macros["NFbndIntUpHTwoHundred"] == NM
 
 
-def test_no_repeats_no_flip_count(tmp_path):
+def test_one_gpu_leaves_the_other_not_measured(tmp_path):
     _, macros = _build(tmp_path, {"h100": _payload(4)})
-    assert macros["NFbndFlipsHOneHundred"] == NM and macros["NFbndRepeatsHOneHundred"] == "0"
     assert macros["NFbndLinesHTwoHundred"] == NM
