@@ -1,5 +1,5 @@
 """python -m experiments {list, run, sm75, bench, bench-linear, probe, gemv-limit, gemm-limit, linear-bounds,
-linear-host, qlora, fsdp-qlora}: see experiments/README.md.
+linear-host, qlora, fsdp-qlora, catalog}: see experiments/README.md.
 
 Without a CUDA device, TRITON_INTERPRET=1 is set here, before anything imports triton, so that
 `run` checks the variants in Triton's interpreter. `sm75` (and `run --sm75`) compiles in a child
@@ -44,6 +44,8 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("linear-host", help="GPU: host time of one 4-bit linear as a QLoRA step calls it, per mode and "
                    "call form (experiments.linear_host)", add_help=False)
+    sub.add_parser("catalog", help="the shape catalog: every (N, K) of the decoder linears of public open models at "
+                   "tp 1 and 2, with its fit / held-out subset (experiments.catalog)", add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
     run = sub.add_parser("run", help="check every variant bit-exact, then time it (GPU)")
     run.add_argument("ids", nargs="*", help="variant ids or shell patterns (v3*); default all")
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit",
-                            "gemm-limit", "linear-bounds", "linear-host"):
+                            "gemm-limit", "linear-bounds", "linear-host", "catalog"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])
