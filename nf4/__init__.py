@@ -8,22 +8,25 @@
 Bit-exact with bitsandbytes' `dequantize_4bit` (CUDA) and with `reference.dequantize_nf4`
 (Triton's interpreter on a CPU: set TRITON_INTERPRET=1 before importing triton).
 
-Layout: one folder per op (`dequant/`: kernel, config, API), the device helpers every kernel
-shares (`device.py`), one launch mechanism (`runtime/`), torch.compile registrations (`ops.py`),
-other libraries' call forms (`integrations/`). Importing nf4 loads torch and triton, nothing else.
+Layout (docs/ARCHITECTURE.md): `weight.py` (NF4Weight, one checked value per weight, and the state
+check every repeat-call cache uses), `device.py` (the @triton.jit helpers every kernel shares),
+`runtime.py` (one launch mechanism, device facts, the repeat-call cache), one folder per op
+(`dequant/`, `linear/`: kernels, config, tuned data, launch, torch.library ops, API), other
+libraries' call forms (`integrations/`). Importing nf4 loads torch and triton, nothing else.
 """
 
-from .dequant import DequantConfig, dequantize, launch
+from .dequant import DequantConfig, dequantize
 from .integrations.bitsandbytes import patch_bitsandbytes, patched_bitsandbytes, unpatch_bitsandbytes
 from .integrations.unsloth import fast_dequantize
 from .linear import LinearConfig, linear
+from .weight import NF4Weight
 
 __all__ = [
     "DequantConfig",
     "LinearConfig",
+    "NF4Weight",
     "dequantize",
     "fast_dequantize",
-    "launch",
     "linear",
     "patch_bitsandbytes",
     "patched_bitsandbytes",

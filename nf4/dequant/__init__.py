@@ -1,6 +1,7 @@
-"""The dequantize op: kernel (`kernel.py`), meta-parameters and tuned table (`config.py`), API (`api.py`)."""
+"""The dequantize op: kernel (`kernel.py`), config (`config.py`), tuned data (`tuned.py`, `tuned.json`),
+launch (`launch.py`), torch.library ops (`ops.py`), API (`api.py`)."""
 
-from .api import dequantize, launch
+from .api import dequantize
 from .config import DequantConfig
 
-__all__ = ["DequantConfig", "dequantize", "launch"]
+__all__ = ["DequantConfig", "dequantize"]

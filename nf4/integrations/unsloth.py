@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dequant.api import dequantize
+from ..dequant import dequantize
 
 
 def fast_dequantize(W: torch.Tensor, quant_state=None, out: torch.Tensor | None = None,

@@ -1,0 +1,110 @@
+"""nf4.linear's tuned table, read from `tuned.json` beside this file, and the rules that fit it to a shape.
+
+`tuned(device_name, m, backward, n=, k=)` gives the config for M rows of x on a GPU ("" for Triton's
+interpreter); `for_shape` adjusts a row to the weight's shape by stated rules; `fallback` gives what a
+config runs where its kernel cannot. The named configs are module attributes (GEMV_MMA_WK, DEQUANT, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import LinearConfig
+
+DATA = json.loads(Path(__file__).with_name("tuned.json").read_text())
+CONFIGS: dict[str, LinearConfig] = {name: LinearConfig(**entry["fields"]) for name, entry in DATA["configs"].items()}
+NAMES: dict[LinearConfig, str] = {config: name for name, config in CONFIGS.items()}
+# the names for_shape's rules (and tests) use
+GEMV = CONFIGS["GEMV"]
+GEMV_TABLE = CONFIGS["GEMV_TABLE"]
+GEMV_MMA16 = CONFIGS["GEMV_MMA16"]
+GEMV_MMA32 = CONFIGS["GEMV_MMA32"]
+GEMV_MMA_WK = CONFIGS["GEMV_MMA_WK"]
+GEMV_MMA_WK16 = CONFIGS["GEMV_MMA_WK16"]
+GEMV_MMA_WK4 = CONFIGS["GEMV_MMA_WK4"]
+GEMV_MMA_WK2 = CONFIGS["GEMV_MMA_WK2"]
+WORD_GEMM32 = CONFIGS["WORD_GEMM32"]
+WORD_GEMM32_S8 = CONFIGS["WORD_GEMM32_S8"]
+WORD_GEMM64 = CONFIGS["WORD_GEMM64"]
+WORD_GEMM128 = CONFIGS["WORD_GEMM128"]
+WORD_GEMM128_W8 = CONFIGS["WORD_GEMM128_W8"]
+WORD_GEMM256 = CONFIGS["WORD_GEMM256"]
+GEMM = CONFIGS["GEMM"]
+DEQUANT = CONFIGS["DEQUANT"]
+DEFAULT_GPU: str = DATA["default_gpu"]
+
+Rows = tuple[tuple[int | None, LinearConfig], ...]
+
+
+def _rows(rows) -> Rows:
+    return tuple((limit, CONFIGS[name]) for limit, name in rows)
+
+
+TUNED: dict[str, dict[str, Rows]] = {
+    gpu: {d: _rows(r) for d, r in table.items()} for gpu, table in DATA["rows"].items()}
+INTERPRETER: dict[str, Rows] = {d: _rows(r) for d, r in DATA["interpreter"].items()}
+FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
+    CONFIGS[name]: CONFIGS[v] if isinstance(v, str) else _rows(v) for name, v in DATA["fallback"].items()}
+INTERPRET_PROGRAMS = 3  # programs of a persistent gemm in Triton's interpreter (several tiles each on small cases)
+
+
+def pick(rows: Rows, m: int) -> LinearConfig:
+    """The config of the first row whose largest M (None: any) takes m rows of x; the last row's past them all."""
+    for limit, config in rows:
+        if limit is None or m <= limit:
+            return config
+    return rows[-1][1]
+
+
+def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
+    """The tuned fallback of `config` at M rows of x (FALLBACK), or None where it has none."""
+    entry = FALLBACK.get(config)
+    return pick(entry, m) if isinstance(entry, tuple) else entry
+
+
+SMALL_WEIGHT = 1024 * 4096
+LARGE_WEIGHT = 8192 * 4096  # weights from which the word GEMM rows take rows of 4096-8191 weights
+
+
+def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
+    """The config a tuned row gives way to on a weight of n x k that it fits badly; any other config unchanged.
+
+    Rules (from sweeps over six weights on both GPUs; the measurements are in tuned.json's sources):
+    - M = 17-32: a weight of at most SMALL_WEIGHT weights takes GEMV_MMA32; a large weight (LARGE_WEIGHT or
+      more) with rows of 4096-8191 weights WORD_GEMM32_S8.
+    - M = 65-128: rows shorter than 4096 take DEQUANT; large weights with rows of 4096-8191 WORD_GEMM128_W8.
+    - M = 129-256: rows shorter than 8192 take DEQUANT, except large weights with rows of 4096 or more.
+    - M <= 4: rows shorter than two steps of a GEMV_MMA_WK warp take GEMV_MMA_WK4; 14336-16384 rows of 4096
+      weights take GEMV_MMA_WK2 (one program of 128 rows per multiprocessor).
+    """
+    large_short = 4096 <= k < 8192 and n * k >= LARGE_WEIGHT
+    if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
+        return GEMV_MMA32
+    if config is WORD_GEMM32 and large_short:
+        return WORD_GEMM32_S8
+    if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192 and not large_short):
+        return DEQUANT
+    if config is WORD_GEMM128 and large_short:
+        return WORD_GEMM128_W8
+    if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
+        return config
+    if k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:
+        return GEMV_MMA_WK4
+    if k == 4096 and 14336 <= n <= 16384:
+        return GEMV_MMA_WK2
+    return config
+
+
+def tuned(device_name: str, m: int, backward: bool = False, *, n: int | None = None,
+          k: int | None = None) -> LinearConfig:
+    """The tuned config for M rows of x on the named GPU ("" for the interpreter); given the weight's n x k, as
+    `for_shape` adjusts it for that weight."""
+    direction = "backward" if backward else "forward"
+    if not device_name:
+        return pick(INTERPRETER[direction], m)
+    table = next((t for gpu, t in TUNED.items() if gpu in device_name), TUNED[DEFAULT_GPU])
+    config = pick(table[direction], m)
+    if not backward and n is not None and k is not None:
+        config = for_shape(config, m, n, k)
+    return config

@@ -1,0 +1,408 @@
+"""One launch mechanism for every nf4 kernel, the device facts it needs, and the repeat-call cache.
+
+    compiled = runtime.launch(kernel, grid, args, device=dev, num_warps=4)   # args: {name: value}
+    bound = runtime.bind(compiled, kernel, grid, args, rebind=("out_ptr",))
+    bound.fn(bound.ctx, stream, out_ptr)                                    # the repeat call
+
+`launch` compiles a `@triton.jit` function once per specialisation (`spec_key`: what Triton
+specialises on, read from the kernel's own parameter list) and afterwards calls the compiled
+kernel directly: Triton's JIT dispatch costs more host time than a small kernel runs. `bind`
+fixes every argument but the named `rebind` slots, so that a repeat call passes only those and
+the stream, through Triton's C launch function (on the Triton releases in DIRECT_LAUNCH_VERSIONS)
+or else `CompiledKernel.run`. Nothing here names a particular kernel. While `recording()` is
+active nothing runs: launches are recorded (for the offline sm_75 compiles).
+
+`RepeatCache` is the one repeat-call cache each op keeps: entries keyed by the QuantState, each
+valid only while `matches` says the state and the packed tensor are still what was checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+
+from reference.format import NF4_CODE
+
+# Triton versions whose C launch function is called directly, skipping the Python wrapper
+# `CompiledKernel.run` (its argument convention changes between releases, so a version is listed
+# only after the GPU tests passed with it). Others use the wrapper.
+DIRECT_LAUNCH_VERSIONS = ("3.6",)
+
+_compiled: dict[tuple, Any] = {}
+_recording: list | None = None
+_sm_counts: dict[int, int] = {}
+_names: dict[int, str] = {}
+_capabilities: dict[int, tuple[int, int]] = {}
+_tables: dict[tuple, torch.Tensor] = {}
+# Triton's interpreter keeps global state per launch: launches from several threads are serialized.
+interpreter_lock = threading.RLock()
+
+
+# --- device facts -----------------------------------------------------------------------------------
+
+
+def interpreting(device: torch.device) -> bool:
+    """True when a launch on `device` runs in Triton's interpreter (a CPU tensor, or TRITON_INTERPRET set)."""
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def interpreter_on() -> bool:
+    """Whether @triton.jit makes interpreted functions (TRITON_INTERPRET was set when triton was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_probe_kernel, InterpretedFunction)
+
+
+@triton.jit
+def _probe_kernel(x_ptr):
+    pass
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached)."""
+    count = _sm_counts.get(device.index)
+    if count is None:
+        count = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name (cached); "" for Triton's interpreter, whose tuned rows are their own."""
+    if interpreting(device):
+        return ""
+    name = _names.get(device.index)
+    if name is None:
+        name = _names[device.index] = torch.cuda.get_device_name(device)
+    return name
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (cached)."""
+    cap = _capabilities.get(device.index)
+    if cap is None:
+        cap = _capabilities[device.index] = torch.cuda.get_device_capability(device)
+    return cap
+
+
+# --- per-device resources ---------------------------------------------------------------------------
+
+
+def level_table(device: torch.device, pairs: bool = False) -> torch.Tensor:
+    """The NF4 levels on `device`: 16 float32, or (pairs) 256 level pairs packed as 64-bit words.
+
+    Pair b holds the float32 bits of NF4[b >> 4] (low half) and NF4[b & 15] (high half).
+    """
+    key = (device, pairs)
+    t = _tables.get(key)
+    if t is None:
+        if pairs:
+            bits = NF4_CODE.view(np.uint32).astype(np.uint64)
+            b = np.arange(256)
+            words = bits[b >> 4] | (bits[b & 15] << np.uint64(32))
+            t = torch.from_numpy(words.view(np.int64).copy()).to(device)
+        else:
+            t = torch.from_numpy(NF4_CODE.copy()).to(device)
+        _tables[key] = t
+    return t
+
+
+def stand_in(device: torch.device) -> torch.Tensor:
+    """A stand-in for absent tensors (never read where it stands in), also 256 bytes of zeros that a kernel may
+    read (the tensor-core GEMV with warps_k > 1)."""
+    key = (device, "zeros")
+    t = _tables.get(key)
+    if t is None:
+        t = _tables[key] = torch.zeros(64, dtype=torch.float32, device=device)
+    return t
+
+
+def traced_tables(device: torch.device) -> tuple:
+    """(level_table(device), level_table(device, pairs=True), stand_in(device)) for code that torch.compile
+    traces: the ops pass them as inputs, filled beforehand by `fill_tables` (which torch.compile does not trace)."""
+    fill_tables(device)
+    return _tables[(device, False)], _tables[(device, True)], _tables[(device, "zeros")]
+
+
+def fill_tables(device: torch.device) -> None:
+    """Fill the level tables and the stand-in for `device`. torch.compile calls it instead of tracing it
+    (see `_constant`): a trace that filled a cold cache would have a side effect, which Dynamo refuses inside
+    an autograd.Function, and would build the pair table through torch._numpy, which has no uint64 shifts."""
+    level_table(device)
+    level_table(device, pairs=True)
+    stand_in(device)
+
+
+def _constant(fn):
+    """torch.compiler.assume_constant_result, applied on first use: the decorator imports torch._dynamo,
+    which `import nf4` must not load."""
+    wrapped = None
+
+    def call(*args):
+        nonlocal wrapped
+        if not torch.compiler.is_compiling():
+            return fn(*args)
+        if wrapped is None:
+            wrapped = torch.compiler.assume_constant_result(fn)
+        return wrapped(*args)
+
+    return call
+
+
+fill_tables = _constant(fill_tables)
+
+
+# --- launching ----------------------------------------------------------------------------------------
+
+
+def _unspecialised(fn) -> set[int]:
+    names = list(fn.arg_names)
+    return {names.index(p) if isinstance(p, str) else int(p) for p in (getattr(fn, "do_not_specialize", None) or ())}
+
+
+def spec_key(fn, values: Sequence) -> tuple:
+    """What Triton specialises a launch of `fn` on: constexpr values, pointer dtypes and 16-byte
+    alignment, integers' divisibility by 16, equality with 1 and 32-bit range, booleans. Integer
+    parameters the kernel lists in `do_not_specialize` count by their width only."""
+    skip = _unspecialised(fn)
+    key = []
+    for i, (param, arg) in enumerate(zip(fn.params, values, strict=True)):
+        if param.is_constexpr:
+            key.append(arg)
+        elif isinstance(arg, torch.Tensor) or hasattr(arg, "data_ptr"):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, bool):
+            key.append(("b", arg))
+        elif isinstance(arg, int):
+            wide = -(2**31) <= arg < 2**31
+            key.append(wide if i in skip else (arg % 16 == 0, arg == 1, wide))
+        else:
+            key.append(type(arg).__name__)
+    return tuple(key)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A launch that `recording()` kept instead of running: the kernel, grid, positional values, options."""
+
+    fn: Any
+    grid: tuple
+    args: tuple
+    options: dict
+
+
+@contextlib.contextmanager
+def recording():
+    """Record launches instead of running them; yields the list of `Recorded`. Nests."""
+    global _recording
+    saved = _recording
+    _recording = []
+    try:
+        yield _recording
+    finally:
+        _recording = saved
+
+
+def is_recording() -> bool:
+    """Whether launches are being recorded (see `recording`)."""
+    return _recording is not None
+
+
+def positional(fn, args: Mapping[str, Any]) -> tuple:
+    """The kernel's arguments in parameter order (KeyError naming a missing one)."""
+    try:
+        return tuple(args[name] for name in fn.arg_names)
+    except KeyError as exc:
+        raise KeyError(f"{fn.__name__}: no value for parameter {exc.args[0]!r}") from None
+
+
+def launch(fn, grid: Sequence[int], args: Mapping[str, Any], *, device: torch.device, jit: bool = False,
+           **options):
+    """Launch `fn[grid](**args)` through the compiled-kernel cache; returns the compiled kernel (None
+    when interpreting, recording, or with jit=True).
+
+    options: num_warps (default 4), enable_fp_fusion (default False: contraction would round
+    multiply-adds once), any other Triton launch option. jit=True goes through Triton's JIT
+    dispatch on every call (what a plain `kernel[grid](...)` costs; for the experiments).
+    """
+    options = {"num_warps": 4, "enable_fp_fusion": False, **options}
+    grid = tuple(grid) + (1,) * (3 - len(grid))  # a compiled kernel reads grid[0], grid[1], grid[2]
+    values = positional(fn, args)
+    if _recording is not None:
+        _recording.append(Recorded(fn, grid, values, options))
+        return None
+    if interpreting(device):
+        with interpreter_lock:
+            fn[grid](*values, **options)
+        return None
+    if jit:
+        fn[grid](*values, **options)
+        return None
+    key = (fn, device.index, tuple(sorted(options.items())), spec_key(fn, values))
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = _compiled[key] = fn[grid](*values, **options)
+    else:
+        compiled[grid](*values)
+    return compiled
+
+
+def hooks_active() -> bool:
+    """Whether a launch hook (a profiler) is installed; Triton 3.6+ keeps them in (possibly empty) chains."""
+    from triton import knobs
+
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _triton_version() -> str:
+    return ".".join(triton.__version__.split(".")[:2])
+
+
+def launch_head(compiled, direct: bool = True) -> tuple:
+    """(callable, the launch arguments between the stream and the kernel's own arguments)."""
+    run = compiled.run
+    fn = getattr(run, "launch", None)
+    if (direct and fn is not None and _triton_version() in DIRECT_LAUNCH_VERSIONS
+            and not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1)):
+        # Triton 3.6: launch(gridX, gridY, gridZ, stream, function, cooperative, pdl, global_scratch,
+        #                    profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)
+        return fn, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                    compiled.packed_metadata, None, None, None)
+    # CompiledKernel.run(gridX, gridY, gridZ, stream, function, packed_metadata, launch_metadata,
+    #                    enter_hook, exit_hook, *args)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+class Bound:
+    """A compiled launch with its arguments bound: `fn(ctx, stream, *rebind_values)` launches it."""
+
+    __slots__ = ("ctx", "fn", "grid_x", "rebind")
+
+    def __call__(self, stream: int, *values) -> None:
+        self.fn(self.ctx, stream, *values)
+
+
+def _call(ctx, stream, *values):
+    launch_fn, grid_x, head, template, positions = ctx
+    args = list(template)
+    for p, v in zip(positions, values, strict=True):
+        args[p] = v
+    launch_fn(grid_x, 1, 1, stream, *head, *args)
+
+
+def _call_one(ctx, stream, value):
+    launch_fn, grid_x, head, post = ctx
+    launch_fn(grid_x, 1, 1, stream, *head, value, *post)
+
+
+def bind(compiled, fn, grid: Sequence[int], args: Mapping[str, Any], rebind: Sequence[str], *,
+         direct: bool = True) -> Bound:
+    """Bind `compiled` (a kernel `launch` returned for `fn`) with `args` for repeat calls that change only
+    the `rebind` slots (pointer parameters, by name). direct=False skips Triton's C launch function for its
+    Python wrapper `CompiledKernel.run`."""
+    if tuple(grid[1:]) not in ((), (1,), (1, 1)):
+        raise ValueError(f"bind: only 1-D grids, got {tuple(grid)}")
+    names = list(fn.arg_names)
+    for name in rebind:
+        if name not in names:
+            raise KeyError(f"{fn.__name__}: no parameter {name!r} to rebind")
+    bound = Bound()
+    bound.grid_x, bound.rebind = int(grid[0]), tuple(rebind)
+    launch_fn, head = launch_head(compiled, direct)
+    # Triton's launch functions take every argument in parameter order (constexprs too; they skip them).
+    values = [v.data_ptr() if hasattr(v, "data_ptr") else v for v in positional(fn, args)]
+    positions = [names.index(name) for name in rebind]
+    if len(positions) == 1:
+        p = positions[0]
+        bound.fn = _call_one
+        bound.ctx = (launch_fn, bound.grid_x, head + tuple(values[:p]), tuple(values[p + 1:]))
+    else:
+        bound.fn, bound.ctx = _call, (launch_fn, bound.grid_x, head, tuple(values), tuple(positions))
+    return bound
+
+
+# The current CUDA stream of a device as an int (absent from CPU-only builds, where nothing is bound).
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+# --- the repeat-call cache ----------------------------------------------------------------------------
+
+
+class RepeatCache:
+    """One op's repeat-call cache: id(quant_state) -> entry, dropped with the QuantState.
+
+    An entry is any object with `matches(quant_state, packed) -> bool`, which must compare everything
+    a launch depends on (nf4.weight.StateCheck does); `get` returns an entry only when it matches, so
+    no change to a QuantState or its tensors can reuse a stale launch. The cache holds no QuantState
+    and no packed weight, only what its entries hold.
+    """
+
+    __slots__ = ("_entries", "limit")
+
+    def __init__(self, limit: int = 4096):
+        self._entries: dict[int, Any] = {}
+        self.limit = limit
+
+    def get(self, quant_state, packed):
+        """The entry of `quant_state` when it still matches (state and packed tensor), else None."""
+        entry = self._entries.get(id(quant_state))
+        if entry is not None and entry.matches(quant_state, packed):
+            return entry
+        return None
+
+    def peek(self, quant_state):
+        """The entry of `quant_state`, matching or not (tests and benchmarks)."""
+        return self._entries.get(id(quant_state))
+
+    def put(self, quant_state, entry) -> None:
+        """Keep `entry` for `quant_state` until the state is garbage-collected (or the cache is full)."""
+        key = id(quant_state)
+        if key not in self._entries:
+            if len(self._entries) >= self.limit:
+                self._entries.clear()
+            try:
+                weakref.finalize(quant_state, self._entries.pop, key, None)
+            except TypeError:  # a state that takes no weak references is not cached: its id may be reused
+                return
+        self._entries[key] = entry
+
+    def forget(self, quant_state) -> None:
+        """Drop the entry of `quant_state`."""
+        self._entries.pop(id(quant_state), None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# --- configs ------------------------------------------------------------------------------------------
+
+
+def check_fields(config) -> None:
+    """TypeError naming the field whose value is not of its annotated type (int, bool, str, or `int | None`).
+
+    bool is not accepted for an int field, nor an int for a bool field."""
+    name = type(config).__name__
+    for f in fields(config):
+        v = getattr(config, f.name)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if kind == "int | None" and v is None:
+            continue
+        want = {"int": int, "int | None": int, "bool": bool, "str": str}.get(kind)
+        if want is None:
+            continue
+        if type(v) is not want:
+            raise TypeError(f"{name}.{f.name} must be {kind}, got {type(v).__name__} {v!r}")

@@ -1,0 +1,270 @@
+"""One frozen value for an NF4 weight, built and checked once, and the check that keeps a cache honest.
+
+    w = NF4Weight.of(linear4bit)                 # a bnb.nn.Linear4bit, a Params4bit ...
+    w = NF4Weight.of(packed, quant_state)        # ... or the packed tensor and its QuantState
+
+`NF4Weight` holds what every kernel reads: the packed bytes (a plain tensor over the caller's
+storage, never a copy), the first- and second-level state, and the shape, blocksize, dtype and
+whether it is double-quantized. It is validated when built, so the ops take it as it is.
+
+`StateCheck` records everything of a QuantState and its packed tensor that a launch depends on
+(each tensor's identity, data pointer, version, dtype, size and device; shape, blocksize, dtype,
+quant type, nesting; the packed tensor's dtype, size, device, contiguity and alignment), so that
+an op's repeat-call cache (nf4.runtime.RepeatCache) serves a call only when nothing changed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from reference.format import ABSMAX_BLOCKSIZE, BLOCKSIZES
+
+from . import runtime
+
+PACKED_DTYPES = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32)
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+
+
+@dataclass(frozen=True, eq=False)
+class NF4Weight:
+    """A validated NF4 weight: the packed bytes and their QuantState's tensors and facts."""
+
+    packed: torch.Tensor  # contiguous, (n + 1) // 2 bytes in any quant_storage dtype
+    absmax: torch.Tensor  # uint8 codes (nested) or float32, one per block
+    absmax2: torch.Tensor | None  # float32, one per 256 blocks (nested only)
+    code2: torch.Tensor | None  # float32 [256], the dynamic map (nested only)
+    offset: torch.Tensor | None  # float32 [1] (nested only)
+    shape: tuple[int, ...]  # the dequantized weight's shape
+    blocksize: int
+    dtype: torch.dtype  # the dequantized weight's dtype (QuantState.dtype)
+    nested: bool
+
+    @property
+    def n(self) -> int:
+        """Elements of the weight."""
+        return math.prod(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def transposed(self) -> bool:
+        """Whether bitsandbytes returns this weight transposed (a packed tensor of shape[0] == 1)."""
+        return self.packed.dim() >= 1 and self.packed.shape[0] == 1
+
+    def with_packed(self, packed: torch.Tensor) -> NF4Weight:
+        """The same state over other packed bytes (already checked to fit: see StateCheck.fits)."""
+        return replace(self, packed=packed)
+
+    @classmethod
+    def of(cls, weight, quant_state=None) -> NF4Weight:
+        """Build and validate from a Linear4bit, a Params4bit, or (packed tensor, QuantState)."""
+        packed, qs = unpack(weight, quant_state)
+        return cls.from_state(packed, qs)
+
+    @classmethod
+    def from_state(cls, packed: torch.Tensor, qs) -> NF4Weight:
+        """Validate (packed, qs); TypeError or ValueError naming the field otherwise."""
+        return cls(plain(packed), *check_state(packed, qs))
+
+
+def plain(packed: torch.Tensor) -> torch.Tensor:
+    """A plain torch.Tensor over the same storage as `packed` (itself when it is one): a Params4bit's methods
+    dispatch through Python __torch_function__, about 2 us each."""
+    if type(packed) is torch.Tensor or torch.compiler.is_compiling():
+        return packed
+    with _NO_TORCH_FUNCTION():
+        return packed.as_subclass(torch.Tensor)
+
+
+def module_weight(module):
+    """A module's `weight`: read from its parameter dict where nn.Module keeps it (a plain `module.weight`
+    fails the instance and class lookups before nn.Module.__getattr__ finds it there, about 0.6 us of host
+    time per call); any other module's attribute otherwise."""
+    params = getattr(module, "_parameters", None)
+    inner = params.get("weight") if isinstance(params, dict) else None
+    return inner if inner is not None else getattr(module, "weight", None)
+
+
+def quant_state_of(weight, quant_state=None):
+    """(packed-or-module weight, its QuantState) without checks: the repeat calls' cheap lookup."""
+    if quant_state is None:
+        if not isinstance(weight, torch.Tensor):
+            weight = module_weight(weight)
+        quant_state = getattr(weight, "quant_state", None)
+    return weight, quant_state
+
+
+def unpack(weight, quant_state):
+    """(packed tensor, QuantState) from a Linear4bit module, a Params4bit, or (packed tensor, QuantState)."""
+    if quant_state is None:
+        inner = module_weight(weight)
+        if inner is not None and hasattr(inner, "quant_state"):  # bnb.nn.Linear4bit
+            weight = inner
+        quant_state = getattr(weight, "quant_state", None)
+        if quant_state is None:
+            raise TypeError("quant_state is required unless weight is a bitsandbytes Linear4bit or Params4bit "
+                            f"carrying one; got {type(weight).__name__} without quant_state")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a packed torch.Tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
+    if isinstance(quant_state, (torch.Tensor, dict, list, tuple)) or not all(
+            hasattr(quant_state, f) for f in ("absmax", "shape", "blocksize", "dtype", "quant_type")):
+        raise TypeError("quant_state must be a bitsandbytes QuantState (absmax, shape, blocksize, dtype, quant_type), "
+                        f"got {type(quant_state).__name__}")
+    if weight.device.type == "meta" and not runtime.is_recording():  # recording: an offline compile's stand-ins
+        raise ValueError("weight is on the meta device, which holds no bytes to read; expected a CUDA tensor "
+                         "(or a CPU tensor with TRITON_INTERPRET=1)")
+    if weight.device.type == "cpu" and not runtime.interpreter_on():
+        raise ValueError("weight is a CPU tensor, which nf4 runs in Triton's interpreter, but the interpreter is off: "
+                         "set TRITON_INTERPRET=1 in the environment before triton is first imported (torch.compile "
+                         "and bitsandbytes import it too), or move the weight to CUDA")
+    return weight, quant_state
+
+
+def as_int(value, field: str) -> int:
+    """An integral value (int, NumPy integer, integral float, 0-d tensor) as int; TypeError/ValueError otherwise."""
+    v = value
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 0 or v.dtype.is_complex or v.dtype == torch.bool:
+            raise TypeError(f"{field} must be an integer, got a {v.dtype} tensor of shape {tuple(v.shape)}")
+        v = v.item()
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{field} must be an integer, got {type(value).__name__} {value!r}")
+    if isinstance(v, (float, np.floating)) and not float(v).is_integer():
+        raise ValueError(f"{field} must be an integral value, got {value!r}")
+    return int(v)
+
+
+def _check_tensor(name: str, t, dtype, numel: int, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"quant_state.{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"quant_state.{name} must be {dtype}, got {t.dtype}")
+    if t.numel() != numel:
+        raise ValueError(f"quant_state.{name} has {t.numel()} elements, expected {numel}")
+    if t.device != device:
+        raise ValueError(f"quant_state.{name} is on {t.device}, expected {device} like the packed weight")
+    if not t.is_contiguous():
+        raise ValueError(f"quant_state.{name} must be contiguous")
+
+
+def check_state(packed: torch.Tensor, qs) -> tuple:
+    """Validate a QuantState against its packed tensor: (absmax, absmax2, code2, offset, shape, blocksize,
+    dtype, nested), the fields of NF4Weight after `packed`."""
+    quant_type = getattr(qs, "quant_type", None)
+    if quant_type != "nf4":
+        raise ValueError(f"quant_state.quant_type must be 'nf4', got {quant_type!r}")
+    blocksize = qs.blocksize if type(qs.blocksize) is int else as_int(qs.blocksize, "quant_state.blocksize")
+    if blocksize not in BLOCKSIZES:
+        raise ValueError(f"quant_state.blocksize must be one of {BLOCKSIZES}, got {blocksize!r}")
+    if qs.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"quant_state.dtype must be torch.float16, torch.bfloat16 or torch.float32, got {qs.dtype}")
+    if packed.dtype not in PACKED_DTYPES:
+        raise TypeError(f"packed weight has dtype {packed.dtype}, expected a quant_storage dtype: {PACKED_DTYPES}")
+    if not packed.is_contiguous():
+        raise ValueError("packed weight must be contiguous")
+    if not isinstance(qs.shape, (tuple, list, torch.Size)):
+        raise TypeError(f"quant_state.shape must be a torch.Size or a tuple of integers, got {type(qs.shape).__name__}")
+    shape = tuple(qs.shape)
+    if not all(type(d) is int for d in shape):  # (a torch.Size holds ints; anything else is checked one by one)
+        shape = tuple(as_int(d, f"quant_state.shape[{i}]") for i, d in enumerate(qs.shape))
+    if any(d < 0 for d in shape):
+        raise ValueError(f"quant_state.shape must hold non-negative integers, got {tuple(qs.shape)}")
+    n = math.prod(shape)
+    have = packed.numel() * packed.element_size()
+    if have != (n + 1) // 2:
+        raise ValueError(f"packed weight holds {have} bytes, expected {(n + 1) // 2} for quant_state.shape {shape}")
+    device = packed.device
+    n_blocks = -(-n // blocksize)
+    absmax = qs.absmax
+    nested = getattr(qs, "nested", False)
+    if not isinstance(nested, (bool, np.bool_)):
+        raise TypeError(f"quant_state.nested must be a bool, got {type(nested).__name__} {nested!r}")
+    if nested:
+        _check_tensor("absmax", absmax, torch.uint8, n_blocks, device)
+        s2 = getattr(qs, "state2", None)
+        if s2 is None:
+            raise ValueError("quant_state.state2 is required with double quantization (quant_state.nested is True)")
+        if s2.blocksize != ABSMAX_BLOCKSIZE:
+            raise ValueError(f"quant_state.state2.blocksize must be {ABSMAX_BLOCKSIZE}, got {s2.blocksize}")
+        absmax2, code2, offset = s2.absmax, s2.code, getattr(qs, "offset", None)
+        _check_tensor("state2.absmax", absmax2, torch.float32, -(-n_blocks // ABSMAX_BLOCKSIZE), device)
+        _check_tensor("state2.code", code2, torch.float32, 256, device)
+        _check_tensor("offset", offset, torch.float32, 1, device)
+    else:
+        _check_tensor("absmax", absmax, torch.float32, n_blocks, device)
+        absmax2 = code2 = offset = None
+    return absmax, absmax2, code2, offset, shape, blocksize, qs.dtype, bool(nested)
+
+
+class StateCheck:
+    """What a launch read of a QuantState and its packed tensor, compared on every repeat call.
+
+    Holds the state's tensors (alive as long as the state is) but never the packed tensor or the state.
+    `matches(qs, packed)` is True only when the state holds the same objects with the same data pointers,
+    versions and sizes, the same shape, blocksize, dtype, quant type and nesting, and the packed tensor has
+    the checked dtype, element count, device, contiguity and 16-byte alignment. Subclasses (the ops' cache
+    entries) add their launches.
+    """
+
+    __slots__ = ("__weakref__", "_refs", "_sigs", "blocksize", "device", "index", "nested", "packed_dtype",
+                 "packed_numel", "ptr_mod", "quant_type", "s2_blocksize", "shape", "state2", "w")
+
+    def __init__(self, qs, w: NF4Weight):
+        s2 = getattr(qs, "state2", None)
+        self.w = w.with_packed(None)  # the validated state without the caller's packed bytes
+        self.shape, self.blocksize, self.quant_type = qs.shape, qs.blocksize, qs.quant_type
+        self.nested, self.state2 = getattr(qs, "nested", False), s2
+        self.s2_blocksize = getattr(s2, "blocksize", None)
+        refs = (qs.absmax, getattr(qs, "offset", None), getattr(s2, "absmax", None), getattr(s2, "code", None))
+        self._refs = refs
+        packed = w.packed
+        self.packed_dtype, self.packed_numel = packed.dtype, packed.numel()
+        # what t.get_device() says of a tensor on the weight's device: the CUDA index, -1 for the CPU
+        self.index = packed.get_device()
+        self.device = packed.device
+        if torch.compiler.is_compiling():  # traced tensors have no data pointers: a check that never matches
+            self._sigs, self.ptr_mod = None, -1
+        else:
+            self._sigs = tuple(_sig(t) for t in refs)
+            self.ptr_mod = packed.data_ptr() % 16
+
+    def matches(self, qs, packed) -> bool:
+        s2 = self.state2
+        if not (qs.shape is self.shape and qs.dtype is self.w.dtype and qs.blocksize == self.blocksize
+                and qs.quant_type == self.quant_type and getattr(qs, "nested", False) is self.nested
+                and getattr(qs, "state2", None) is s2 and (s2 is None or s2.blocksize == self.s2_blocksize)):
+            return False
+        a, o, a2, c2 = self._refs
+        if not (qs.absmax is a and getattr(qs, "offset", None) is o
+                and (s2 is None or (s2.absmax is a2 and s2.code is c2))):
+            return False
+        if self._sigs != (_sig(a), _sig(o), _sig(a2), _sig(c2)):
+            return False
+        return self.fits(packed)
+
+    def fits(self, packed) -> bool:
+        """Whether `packed` (plain tensor or Params4bit) is bytes this state's launches can read."""
+        if type(packed) is not torch.Tensor:
+            if not isinstance(packed, torch.Tensor):
+                return False
+            with _NO_TORCH_FUNCTION():
+                return self._fits(packed)
+        return self._fits(packed)
+
+    def _fits(self, packed) -> bool:
+        return (packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
+                and packed.get_device() == self.index and packed.is_contiguous()
+                and packed.data_ptr() % 16 == self.ptr_mod and (self.index >= 0 or not packed.is_meta))
+
+
+def _sig(t):
+    """A tensor's data pointer, version and size: any in-place change of where or how much it holds."""
+    if t is None:
+        return None
+    return t.data_ptr(), t._version, t.numel()
