@@ -6,11 +6,24 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
+# The torch stamp's name carries a checksum of $(TORCH) (its content, the value itself), so a new
+# TORCH= value finds no stamp and reinstalls torch in the existing .venv; the same value reuses it.
+TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
+
 .PHONY: verify test lint bench experiments paper tables clean
 
-$(VENV)/.installed: pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
+
+# --force-reinstall --no-deps replaces whatever torch build is there (pip would keep a CPU build that
+# satisfies `torch`); the second install adds the new build's dependencies.
+$(TORCH_STAMP): | $(PY)
+	rm -f $(VENV)/.torch-*
+	$(PY) -m pip install -q --force-reinstall --no-deps "$(TORCH)"
 	$(PY) -m pip install -q "$(TORCH)"
+	printf '%s\n' '$(TORCH)' > $@
+
+$(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
