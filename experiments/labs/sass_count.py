@@ -39,7 +39,8 @@ import triton.language as tl
 PIPES = {
     "alu": {"LOP3", "LOP", "VIADD", "SHF", "SHL", "SHR", "PRMT", "IADD3", "IADD", "IADD32I", "ISETP", "FSETP", "HSETP2",
             "SEL", "FSEL", "F2FP", "LEA", "IMNMX", "VIMNMX", "FMNMX", "IABS", "MOV", "PLOP3", "P2R", "R2P", "BMSK",
-            "SGXT", "POPC", "FLO", "BREV", "VOTE", "ICMP", "CSET", "CSETP", "I2FP", "F2IP", "HMNMX2", "VABSDIFF", "IDP"},
+            "SGXT", "POPC", "FLO", "BREV", "VOTE", "ICMP", "CSET", "CSETP", "I2FP", "F2IP", "HMNMX2", "VABSDIFF",
+            "IDP"},
     "fma": {"FFMA", "FMUL", "FADD", "FFMA32I", "FMUL32I", "FADD32I", "IMAD", "IMUL", "IMAD32I", "IMUL32I", "HFMA2",
             "HADD2", "HMUL2", "FSWZADD", "FCHK", "DFMA", "DMUL", "DADD"},
     "lsu": {"LDG", "STG", "LDS", "STS", "LD", "ST", "LDL", "STL", "LDSM", "STSM", "SHFL", "ATOM", "ATOMS", "ATOMG",
