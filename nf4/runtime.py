@@ -11,9 +11,6 @@ fixes every argument but the named `rebind` slots, so that a repeat call passes 
 the stream, through Triton's C launch function (on the Triton releases in DIRECT_LAUNCH_VERSIONS)
 or else `CompiledKernel.run`. Nothing here names a particular kernel. While `recording()` is
 active nothing runs: launches are recorded (for the offline sm_75 compiles).
-
-`RepeatCache` is the one repeat-call cache each op keeps: entries keyed by the QuantState, each
-valid only while `matches` says the state and the packed tensor are still what was checked.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -123,41 +119,6 @@ def stand_in(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _tables[key] = torch.zeros(64, dtype=torch.float32, device=device)
     return t
-
-
-def traced_tables(device: torch.device) -> tuple:
-    """(level_table(device), level_table(device, pairs=True), stand_in(device)) for code that torch.compile
-    traces: the ops pass them as inputs, filled beforehand by `fill_tables` (which torch.compile does not trace)."""
-    fill_tables(device)
-    return _tables[(device, False)], _tables[(device, True)], _tables[(device, "zeros")]
-
-
-def fill_tables(device: torch.device) -> None:
-    """Fill the level tables and the stand-in for `device`. torch.compile calls it instead of tracing it
-    (see `_constant`): a trace that filled a cold cache would have a side effect, which Dynamo refuses inside
-    an autograd.Function, and would build the pair table through torch._numpy, which has no uint64 shifts."""
-    level_table(device)
-    level_table(device, pairs=True)
-    stand_in(device)
-
-
-def _constant(fn):
-    """torch.compiler.assume_constant_result, applied on first use: the decorator imports torch._dynamo,
-    which `import nf4` must not load."""
-    wrapped = None
-
-    def call(*args):
-        nonlocal wrapped
-        if not torch.compiler.is_compiling():
-            return fn(*args)
-        if wrapped is None:
-            wrapped = torch.compiler.assume_constant_result(fn)
-        return wrapped(*args)
-
-    return call
-
-
-fill_tables = _constant(fill_tables)
 
 
 # --- launching ----------------------------------------------------------------------------------------
@@ -334,58 +295,6 @@ def bind(compiled, fn, grid: Sequence[int], args: Mapping[str, Any], rebind: Seq
 
 # The current CUDA stream of a device as an int (absent from CPU-only builds, where nothing is bound).
 raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-# --- the repeat-call cache ----------------------------------------------------------------------------
-
-
-class RepeatCache:
-    """One op's repeat-call cache: id(quant_state) -> entry, dropped with the QuantState.
-
-    An entry is any object with `matches(quant_state, packed) -> bool`, which must compare everything
-    a launch depends on (nf4.weight.StateCheck does); `get` returns an entry only when it matches, so
-    no change to a QuantState or its tensors can reuse a stale launch. The cache holds no QuantState
-    and no packed weight, only what its entries hold.
-    """
-
-    __slots__ = ("_entries", "limit")
-
-    def __init__(self, limit: int = 4096):
-        self._entries: dict[int, Any] = {}
-        self.limit = limit
-
-    def get(self, quant_state, packed):
-        """The entry of `quant_state` when it still matches (state and packed tensor), else None."""
-        entry = self._entries.get(id(quant_state))
-        if entry is not None and entry.matches(quant_state, packed):
-            return entry
-        return None
-
-    def peek(self, quant_state):
-        """The entry of `quant_state`, matching or not (tests and benchmarks)."""
-        return self._entries.get(id(quant_state))
-
-    def put(self, quant_state, entry) -> None:
-        """Keep `entry` for `quant_state` until the state is garbage-collected (or the cache is full)."""
-        key = id(quant_state)
-        if key not in self._entries:
-            if len(self._entries) >= self.limit:
-                self._entries.clear()
-            try:
-                weakref.finalize(quant_state, self._entries.pop, key, None)
-            except TypeError:  # a state that takes no weak references is not cached: its id may be reused
-                return
-        self._entries[key] = entry
-
-    def forget(self, quant_state) -> None:
-        """Drop the entry of `quant_state`."""
-        self._entries.pop(id(quant_state), None)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 # --- configs ------------------------------------------------------------------------------------------

@@ -10,13 +10,15 @@ whether it is double-quantized. It is validated when built, so the ops take it a
 `StateCheck` records everything of a QuantState and its packed tensor that a launch depends on
 (each tensor's identity, data pointer, version, dtype, size and device; shape, blocksize, dtype,
 quant type, nesting; the packed tensor's dtype, size, device, contiguity and alignment), so that
-an op's repeat-call cache (nf4.runtime.RepeatCache) serves a call only when nothing changed.
+an op's repeat-call cache (`RepeatCache`, one per op) serves a call only when nothing changed.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -231,7 +233,7 @@ class StateCheck:
         if torch.compiler.is_compiling():  # traced tensors have no data pointers: a check that never matches
             self._sigs, self.ptr_mod = None, -1
         else:
-            self._sigs = tuple(_sig(t) for t in refs)
+            self._sigs = _sigs(*refs)
             self.ptr_mod = packed.data_ptr() % 16
 
     def matches(self, qs, packed) -> bool:
@@ -244,7 +246,7 @@ class StateCheck:
         if not (qs.absmax is a and getattr(qs, "offset", None) is o
                 and (s2 is None or (s2.absmax is a2 and s2.code is c2))):
             return False
-        if self._sigs != (_sig(a), _sig(o), _sig(a2), _sig(c2)):
+        if self._sigs != _sigs(a, o, a2, c2):
             return False
         return self.fits(packed)
 
@@ -263,8 +265,59 @@ class StateCheck:
                 and packed.data_ptr() % 16 == self.ptr_mod and (self.index >= 0 or not packed.is_meta))
 
 
-def _sig(t):
-    """A tensor's data pointer, version and size: any in-place change of where or how much it holds."""
-    if t is None:
+def _sigs(absmax, offset, absmax2, code2) -> tuple:
+    """The state tensors' data pointers, versions and sizes: any change of where or how much they hold (a `.data`
+    swap moves the pointer; resize_, set_ and as_strided_ bump the version)."""
+    if absmax2 is None:  # not nested: absmax alone
+        return absmax.data_ptr(), absmax._version, absmax.numel()
+    return (absmax.data_ptr(), absmax._version, absmax.numel(), offset.data_ptr(), offset._version, offset.numel(),
+            absmax2.data_ptr(), absmax2._version, absmax2.numel(), code2.data_ptr(), code2._version, code2.numel())
+
+
+class RepeatCache:
+    """One op's repeat-call cache: id(quant_state) -> entry, dropped with the QuantState.
+
+    An entry is any object with `matches(quant_state, packed) -> bool`, which must compare everything
+    a launch depends on (nf4.weight.StateCheck does); `get` returns an entry only when it matches, so
+    no change to a QuantState or its tensors can reuse a stale launch. The cache holds no QuantState
+    and no packed weight, only what its entries hold.
+    """
+
+    __slots__ = ("_entries", "limit")
+
+    def __init__(self, limit: int = 4096):
+        self._entries: dict[int, Any] = {}
+        self.limit = limit
+
+    def get(self, quant_state, packed):
+        """The entry of `quant_state` when it still matches (state and packed tensor), else None."""
+        entry = self._entries.get(id(quant_state))
+        if entry is not None and entry.matches(quant_state, packed):
+            return entry
         return None
-    return t.data_ptr(), t._version, t.numel()
+
+    def peek(self, quant_state):
+        """The entry of `quant_state`, matching or not (tests and benchmarks)."""
+        return self._entries.get(id(quant_state))
+
+    def put(self, quant_state, entry) -> None:
+        """Keep `entry` for `quant_state` until the state is garbage-collected (or the cache is full)."""
+        key = id(quant_state)
+        if key not in self._entries:
+            if len(self._entries) >= self.limit:
+                self._entries.clear()
+            try:
+                weakref.finalize(quant_state, self._entries.pop, key, None)
+            except TypeError:  # a state that takes no weak references is not cached: its id may be reused
+                return
+        self._entries[key] = entry
+
+    def forget(self, quant_state) -> None:
+        """Drop the entry of `quant_state`."""
+        self._entries.pop(id(quant_state), None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

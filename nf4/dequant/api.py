@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from .. import runtime
-from ..weight import NF4Weight, StateCheck, quant_state_of, unpack
+from ..weight import NF4Weight, RepeatCache, StateCheck, quant_state_of, unpack
 from .config import DequantConfig
 from .launch import launch
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CACHE = runtime.RepeatCache()
+CACHE = RepeatCache()
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 
@@ -91,6 +91,8 @@ def check_out(out, w: NF4Weight, out_dtype) -> None:
         raise ValueError(f"out is on {out.device}, expected {w.device} like the packed weight")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
+    if torch.compiler.is_compiling():  # (traced tensors have no addresses to compare)
+        return
     for name, t in (("the packed weight", w.packed), ("quant_state.absmax", w.absmax),
                     ("quant_state.state2.absmax", w.absmax2), ("quant_state.state2.code", w.code2),
                     ("quant_state.offset", w.offset)):

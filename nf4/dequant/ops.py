@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
+from ..traced import traced_tables
 from ..weight import NF4Weight
 from .launch import kernel_launch, launch, tuned_config
 
@@ -99,7 +100,7 @@ def _dequantize_into(packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.
 def dequantize_op(w: NF4Weight, out, out_dtype, ftz: bool):
     """nf4.dequantize through the triton_ops (what torch.compile traces): into `out`, or a new tensor of the
     weight's shape and out_dtype when `out` is None; returns it."""
-    tables = runtime.traced_tables(w.device)
+    tables = traced_tables(w.device)
     if out is None:
         return torch.ops.nf4.dequantize(w.packed, w.absmax, w.absmax2, w.code2, w.offset, *tables, list(w.shape),
                                         out_dtype, w.blocksize, ftz)

@@ -23,7 +23,7 @@ import torch
 
 from .. import runtime
 from ..dequant import dequantize
-from ..weight import NF4Weight, StateCheck, plain, unpack
+from ..weight import NF4Weight, RepeatCache, StateCheck, plain, unpack
 from .config import LinearConfig
 from .launch import dense_product, fused, kernel_args, launch_config, split_k
 from .tuned import tuned
@@ -33,7 +33,7 @@ _INT32_LIMIT = 2**31 - 1
 _FAST_LIMIT = 64  # shapes of x per weight with a fast entry
 _DEQUANT = ("dequant",)  # the launches' mark of a key that the table sends to the dequant path
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
-CACHE = runtime.RepeatCache()
+CACHE = RepeatCache()
 
 
 class _Entry(StateCheck):

@@ -17,6 +17,7 @@ import torch
 
 from .. import runtime
 from ..dequant.launch import launch as dequant_launch
+from ..traced import traced_tables
 from ..weight import NF4Weight
 from .launch import dense_product, kernel_args, launch_config, split_k
 from .tuned import tuned
@@ -96,7 +97,7 @@ def linear_op(x, w: NF4Weight, bias, ftz: bool):
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
-    code, code_pairs, dummy = runtime.traced_tables(x.device)
+    code, code_pairs, dummy = traced_tables(x.device)
     y = torch.ops.nf4.linear(x2, w.packed, w.absmax, w.absmax2, w.code2, w.offset, code, code_pairs, dummy, bias,
                              n, k, w.blocksize, w.dtype, ftz, False)
     return y.reshape(*lead, n)
