@@ -33,13 +33,16 @@ def test_block_and_nibble_constexprs_are_the_format_module_values():
 
 
 def _kernel_sources() -> list[Path]:
-    return sorted(p for p in NF4_DIR.rglob("*.py") if p.name in ("kernel.py", "device.py"))
+    """Every module of nf4 that defines a @triton.jit function (the dequant kernel, the linear kernels' files,
+    device.py's helpers)."""
+    return sorted(p for p in NF4_DIR.rglob("*.py") if re.search(r"^@triton\.jit", p.read_text(), re.MULTILINE))
 
 
 def test_no_kernel_types_a_level_or_the_absmax_block():
     """No NF4 level appears as a decimal literal and no `256` as a divisor in the kernels' sources."""
     sources = _kernel_sources()
-    assert any(p.parent.name == "dequant" for p in sources)
+    assert NF4_DIR / "device.py" in sources and any(p.parent.name == "dequant" for p in sources)
+    assert sum(p.parent.name == "linear" for p in sources) >= 5, sources  # common, gemv, gemv_table, gemv_mma, gemm...
     bad = []
     for path in sources:
         text = path.read_text()

@@ -2,7 +2,8 @@
 
 Bad input raises ValueError/TypeError naming the field and what was expected; inputs are never
 written; `out` is filled completely and nothing outside it is touched; the returned tensor is `out`
-itself; and torch.compile(fullgraph=True) traces the call without a graph break, bit-exact.
+itself; and torch.compile(fullgraph=True) traces the call without a graph break, bit-exact. Also the
+repeat-call cache: what it serves and keeps, and when a state's launch is bound.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ def _noncontiguous_packed(p):
     return view
 
 
+def _out_over_packed(h, p, s):
+    """An `out` whose first bytes hold the packed weight (a copy of it): the kernel would overwrite its input."""
+    out = torch.zeros(5, 67, dtype=torch.float16)
+    packed = out.view(-1).view(torch.uint8)[: p.numel()].view(-1, 1)
+    packed.copy_(p)
+    return packed, s, {"out": out}
+
+
+def _out_over_absmax(h, p, s):
+    """An `out` whose bytes hold the state's absmax (a copy of it)."""
+    out = torch.zeros(5, 67, dtype=torch.float16)
+    absmax = out.view(-1).view(torch.uint8)[100 : 100 + s.absmax.numel()]
+    absmax.copy_(s.absmax)
+    return p, h.clone_state(s, absmax=absmax), {"out": out}
+
+
 BAD_DQ = [
     ("packed-int64", _packed(lambda p: p.reshape(-1).view(torch.int64).reshape(-1, 1)),
      TypeError, r"(?s)packed.*int64.*uint8"),
@@ -105,6 +122,8 @@ BAD_DQ = [
      r"out.*meta.*expected cpu"),
     ("out-not-tensor", _kw(out=lambda s: [0.0] * 335), TypeError, r"out.*Tensor.*list"),
     ("dtype-kwarg-int8", _kw(dtype=torch.int8), TypeError, r"dtype.*float16.*int8"),
+    ("out-over-packed", _out_over_packed, ValueError, r"out shares memory with the packed weight"),
+    ("out-over-absmax", _out_over_absmax, ValueError, r"out shares memory with quant_state\.absmax"),
 ]
 
 BAD_PLAIN = [
@@ -233,3 +252,104 @@ def test_torch_compile_fullgraph(nf4h, double_quant, with_out):
     if with_out:
         assert_bitexact(args[1], expect, name="out after the compiled call")
     torch._dynamo.reset()
+
+
+class _Entry:
+    """A repeat-call cache entry whose `matches` answers `ok`."""
+
+    def __init__(self):
+        self.ok = True
+
+    def matches(self, quant_state, packed):
+        return self.ok
+
+
+def test_repeat_cache_serves_only_matching_entries_and_keeps_no_state_alive():
+    """The repeat-call cache each op keeps (nf4.dequant.api.CACHE's class): `get` serves an entry only while it
+    matches (`peek` shows it regardless); the entry leaves with its QuantState, which the cache never keeps alive;
+    new objects, some at a freed one's address, start without an entry; a state that takes no weak references is
+    not cached (its id could be reused); a full cache is emptied before the next state."""
+    import gc
+    import weakref
+
+    from nf4.dequant import api
+
+    RepeatCache = type(api.CACHE)
+
+    class State:
+        pass
+
+    cache = RepeatCache()
+    first = State()
+    assert cache.get(first, None) is None and cache.peek(first) is None
+    entry = _Entry()
+    cache.put(first, entry)
+    assert cache.get(first, None) is entry and cache.peek(first) is entry and len(cache) == 1
+    entry.ok = False
+    assert cache.get(first, None) is None and cache.peek(first) is entry  # stale: never served
+    ref = weakref.ref(first)
+    del first
+    gc.collect()
+    assert ref() is None, "the cache keeps the state alive"
+    assert len(cache) == 0
+    others = [State() for _ in range(50)]
+    assert [cache.peek(s) for s in others] == [None] * 50
+    for s in others:
+        cache.put(s, _Entry())
+    assert len(cache) == 50 and all(cache.get(s, None) is not None for s in others)
+    cache.forget(others[0])
+    assert cache.peek(others[0]) is None and len(cache) == 49
+    no_weakref = (1, 2)
+    cache.put(no_weakref, _Entry())
+    assert cache.peek(no_weakref) is None and len(cache) == 49
+    cache.clear()
+    assert len(cache) == 0
+    small = RepeatCache(limit=3)
+    for s in others[:4]:
+        small.put(s, _Entry())
+    assert len(small) == 1 and small.peek(others[3]) is not None  # full: emptied before the fourth
+
+
+def test_the_launch_is_bound_on_the_second_call_of_a_state(nf4h):
+    """What a full-path call leaves in nf4.dequantize's repeat-call cache (`_remember`, nf4.dequant.api.CACHE): the
+    first call of a QuantState notes it (checked, no launch bound), the second binds the launch, later ones keep
+    that entry and its bound launch; a call with another config starts again; the entry leaves with the state,
+    which it never keeps alive. nf4.dequantize notes CUDA calls only: here `_remember` is driven directly, with a
+    stand-in for the compiled kernel (a Python launcher: no C `launch`)."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from nf4 import DequantConfig, NF4Weight
+    from nf4.dequant import api
+    from nf4.dequant.launch import kernel_launch, tuned_config
+
+    packed, state = nf4h.quantize((5, 67), torch.float16, 64, True, seed=nf4h.case_seed("api-remember"))
+    w = NF4Weight.of(packed, state)
+    out = torch.empty(w.shape, dtype=w.dtype)
+    fn, grid, args, _ = kernel_launch(w, out, True, tuned_config(w.device, w.n * out.element_size()),
+                                      vec=packed.data_ptr() % 4 == 0)
+    compiled = SimpleNamespace(run=lambda *a: None, function=0, packed_metadata=None)
+    try:
+        api._remember(state, w, out, compiled, fn, grid, args, None)
+        entry = api.CACHE.peek(state)
+        assert entry is not None and entry.bound is None and entry.matches(state, packed)
+        api._remember(state, w, out, compiled, fn, grid, args, None)
+        assert api.CACHE.peek(state) is entry and entry.bound is not None
+        assert entry.bound.rebind == ("packed_ptr", "out_ptr")
+        bound = entry.bound
+        api._remember(state, w, out, compiled, fn, grid, args, None)
+        assert api.CACHE.peek(state) is entry and entry.bound is bound  # bound once, not on every call
+        other = DequantConfig()
+        api._remember(state, w, out, compiled, fn, grid, args, other)  # another config: noted anew
+        renewed = api.CACHE.peek(state)
+        assert renewed is not entry and renewed.bound is None and renewed.config is other
+    except BaseException:
+        api.CACHE.forget(state)  # a CPU entry with a bound launch must not serve a later call
+        raise
+    count = len(api.CACHE)
+    ref = weakref.ref(state)
+    del state, entry, renewed
+    gc.collect()
+    assert ref() is None, "the cache keeps the QuantState alive"
+    assert len(api.CACHE) == count - 1

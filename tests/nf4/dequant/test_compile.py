@@ -7,7 +7,7 @@
   empty makes one graph (the caches are filled outside the trace).
 - The GPU route's graph, traced in a child process without the interpreter (CPU tensors; nothing runs): the graph
   torch.compile hands its backend holds the production kernel as Inductor sees a user's Triton kernel, a
-  `triton_kernel_wrapper_functional` node, with the launch `nf4.dequant.api.kernel_launch` builds, and no opaque op.
+  `triton_kernel_wrapper_functional` node, with the launch `nf4.dequant.launch.kernel_launch` builds, and no opaque op.
 - A bitsandbytes Linear4bit with nf4 patched in, forward and backward compiled fullgraph (the backward's
   `dequantize_4bit` is nf4's).
 """
@@ -25,9 +25,9 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 import nf4
-import nf4.ops
-from nf4.dequant.api import traced_tables
+import nf4.dequant.ops  # registers the nf4:: dequantize ops (nf4.dequantize imports them only when compiling)
 from nf4.dequant.kernel import nf4_dequantize_kernel
+from nf4.traced import traced_tables
 from verify.exact import assert_bitexact
 
 pytestmark = pytest.mark.skipif(
@@ -55,7 +55,7 @@ def test_opcheck(nf4h, op, double_quant):
     args = {
         "dequantize": (packed, *parts, *tables, [33, 100], torch.bfloat16, 64, False),
         "dequantize_into": (packed, *parts, *tables, out, 64, False),
-        "dequantize_opaque": (packed, *parts, out, 3300, 64, double_quant, False),
+        "dequantize_opaque": (packed, *parts, out, 64, False),
     }[op]
     torch.library.opcheck(getattr(torch.ops.nf4, op).default, args)
     got = torch.ops.nf4.dequantize(packed, *parts, *tables, [33, 100], torch.bfloat16, 64, False)
@@ -153,7 +153,7 @@ COLD_CHILD = r"""
 import torch
 import bitsandbytes.functional as F
 import nf4
-from nf4.dequant import api
+from nf4 import runtime
 from verify.exact import assert_bitexact
 
 torch.manual_seed(0)
@@ -161,7 +161,7 @@ p1, s1 = F.quantize_4bit(torch.randn(33, 100, dtype=torch.bfloat16), blocksize=6
                          quant_type="nf4")
 p2, s2 = F.quantize_4bit(torch.randn(64, 64, dtype=torch.float16), blocksize=64, compress_statistics=False,
                          quant_type="nf4")
-assert not api._code_cache and not api._dummy_cache
+assert not runtime._tables
 graphs = []
 
 
@@ -180,7 +180,10 @@ for _ in range(3):
 expect = fn(p1, p2)
 assert_bitexact(got[0], expect[0], name="first weight")
 assert_bitexact(got[1], expect[1], name="second weight")
-print(len(graphs), len(api._code_cache), len(api._dummy_cache))
+levels = [key for key in runtime._tables if key[1] in (False, True)]  # (device, pairs): the level tables
+stand_ins = [key for key in runtime._tables if key[1] == "zeros"]
+assert len(runtime._tables) == len(levels) + len(stand_ins), list(runtime._tables)
+print(len(graphs), len(levels), len(stand_ins))
 """
 
 
@@ -199,14 +202,15 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-from nf4 import ops
-from nf4.dequant import api
+from nf4 import NF4Weight, runtime
+from nf4.dequant import ops
 from nf4.dequant.kernel import nf4_dequantize_kernel
+from nf4.dequant.launch import kernel_launch, tuned_config
 
 # Without a GPU, Triton has no target to read the kernel's IR for the arguments it writes; torch then takes every
 # tensor argument as written and says so in a warning with a traceback.
 logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
-assert not api._interpreter_on()
+assert not runtime.interpreter_on()
 shape, blocksize, dtype = (33, 100), 64, torch.bfloat16
 n = shape[0] * shape[1]
 n_blocks = -(-n // blocksize)
@@ -231,7 +235,8 @@ def facts(with_out, byte_offset, double_quant):
         raise Captured  # the graph is what is checked; the kernel cannot run on a CPU tensor
 
     def fn(p, o):
-        return ops.dequantize_op(p, *parts, o if with_out else None, shape, dtype, blocksize, True)
+        w = NF4Weight(p, *parts, shape, blocksize, dtype, double_quant)
+        return ops.dequantize_op(w, o if with_out else None, dtype, True)
 
     torch._dynamo.reset()
     try:
@@ -243,9 +248,9 @@ def facts(with_out, byte_offset, double_quant):
     wrapped = kernel_side_table.get_kernel(calls[0].kwargs["kernel_idx"])  # an Autotuner of one config: num_warps
     traced = {k: v for k, v in calls[0].kwargs["kwargs"].items() if not isinstance(v, torch.fx.Node)}
     traced.update(kernel_side_table.get_constant_args(calls[0].kwargs["constant_args_idx"]))
-    config = api.tuned_config(packed.device, n * out.element_size())
-    _, grid, args, options = api.kernel_launch(packed, *parts, out, n, blocksize, double_quant, True, config,
-                                               vec=byte_offset % 16 == 0, fusion_proof=True)
+    config = tuned_config(packed.device, n * out.element_size())
+    w = NF4Weight(packed, *parts, shape, blocksize, dtype, double_quant)
+    _, grid, args, options = kernel_launch(w, out, True, config, vec=byte_offset % 16 == 0, fusion_proof=True)
     return {
         "calls": len(calls), "kernel_is_production": getattr(wrapped, "fn", wrapped) is nf4_dequantize_kernel,
         "opaque": sum("dequantize_opaque" in str(node.target) or "dequantize_opaque" in str(node.args[:1])

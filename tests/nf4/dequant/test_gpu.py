@@ -31,10 +31,11 @@ if torch.cuda.is_available():
     from triton.runtime.interpreter import InterpretedFunction
 
     import nf4
-    from nf4 import runtime
+    from nf4 import NF4Weight, runtime
     from nf4.dequant import api as dequant_api
     from nf4.dequant.kernel import nf4_dequantize_kernel
-    from nf4.runtime import native as native_mod
+    from nf4.dequant.launch import launch as dequant_launch
+    from nf4.dequant.launch import tuned_config
     from reference.format import BLOCKSIZES
     from verify.exact import assert_bitexact, compare
 
@@ -180,10 +181,9 @@ def test_ftz_off_vs_reference(nf4h, double_quant, dtype):
 
 
 def _recorded_launch(packed, state, out, ftz):
-    """What nf4.launch would launch (grid, positional args, options), recorded by nf4.runtime, not run."""
+    """What the dequant launch would launch (grid, positional args, options), recorded by nf4.runtime, not run."""
     with runtime.recording() as calls:
-        nf4.launch(packed, state.absmax, state.state2.absmax, state.state2.code, state.offset, out, out.numel(),
-                   state.blocksize, True, ftz)
+        dequant_launch(NF4Weight.of(packed, state), out, ftz)
     assert len(calls) == 1 and calls[0].fn is nf4_dequantize_kernel
     return calls[0].grid, calls[0].args, calls[0].options
 
@@ -203,7 +203,7 @@ def test_fma_contraction_changes_bits(nf4h, record_property):
 
     out = torch.empty(8192, 2048, dtype=torch.float16, device=CUDA)
     grid, args, kwargs = _recorded_launch(packed, state, out, False)
-    assert kwargs.get("enable_fp_fusion") is False, f"nf4.launch compiles with {kwargs}"
+    assert kwargs.get("enable_fp_fusion") is False, f"the dequant launch compiles with {kwargs}"
     compiled = nf4_dequantize_kernel[grid](*args, **{**kwargs, "enable_fp_fusion": True})
     torch.cuda.synchronize()
     fmas = compiled.asm["ptx"].count("fma.rn.f32") if hasattr(compiled, "asm") else -1
@@ -458,13 +458,13 @@ def test_torch_compile_patched_linear4bit_backward_launches_the_kernel(nf4h):
 
 def test_torch_compile_linear_dequant_path_launches_the_kernel(nf4h):
     """nf4.linear compiled at a row count whose tuned path on this GPU is nf4.dequantize + cuBLAS: the nf4::linear
-    triton_op runs it as one opaque op, the dequantize and the product (see nf4/ops.py: with the triton_op there,
+    triton_op runs it as one opaque op, the dequantize and the product (see nf4/linear/ops.py: with the triton_op there,
     or the product in Inductor's graph, the compiled backward differed from eager in the last bit); eager's
     bits."""
-    from nf4.linear import config as linear_config
+    from nf4.linear import tuned as linear_tuned
 
     name = torch.cuda.get_device_name()
-    m = next((m for m in (16, 64, 256, 1024) if linear_config.tuned(name, m).path == "dequant"), None)
+    m = next((m for m in (16, 64, 256, 1024) if linear_tuned.tuned(name, m).kernel == "dequant"), None)
     if m is None:
         pytest.skip(f"no tuned row of {name} takes the dequant path")
     packed, qs = nf4h.quantize((333, 512), torch.bfloat16, 64, True, device=CUDA,
@@ -499,17 +499,18 @@ def test_poisoned_out(nf4h, shape, blocksize, out_dtype, lead):
     nf4h.assert_poison_intact(buf, lead, lead + out.numel())
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "triton-launch"])
+@pytest.mark.parametrize("direct_launch", [True, False], ids=["direct", "triton-wrapper"])
 @pytest.mark.parametrize("programs_per_sm", [0, 1, 8], ids=lambda k: f"persist{k}")
 @pytest.mark.parametrize(("shape", "dtype"), [((333, 129), torch.bfloat16), ((1, 4103), torch.float16),
                                               ((7,), torch.float32), ((4096, 1029), torch.bfloat16)], ids=str)
-def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, programs_per_sm, shape, dtype, native):
-    """The cached launch (second call on, with and without out=) stays bit-exact and writes all of
-    out and nothing past it, with one tile per program and with the fixed (persistent) grid, through
-    nf4's own launch function (nf4/runtime/native.py) and through Triton's."""
-    config = dequant_api.tuned_config(torch.device(CUDA, torch.cuda.current_device()),
-                                      math.prod(shape) * torch.empty((), dtype=dtype).element_size())
-    config = config.with_(programs_per_sm=programs_per_sm, native_launch=native)
+def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, programs_per_sm, shape, dtype, direct_launch):
+    """The cached launch (bound on the second call, taken from the third, with and without out=) stays bit-exact
+    and writes all of out and nothing past it, with one tile per program and with the fixed (persistent) grid,
+    through Triton's C launch function (where DIRECT_LAUNCH_VERSIONS lists the Triton release) and through its
+    Python wrapper `CompiledKernel.run`."""
+    config = tuned_config(torch.device(CUDA, torch.cuda.current_device()),
+                          math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    config = config.with_(programs_per_sm=programs_per_sm, direct_launch=direct_launch)
     packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA,
                                   seed=nf4h.case_seed("fast-path", shape, dtype, programs_per_sm))
     expected = _bnb(packed, state)
@@ -522,26 +523,27 @@ def test_fast_path_repeat_calls_are_exact_and_write_out(nf4h, programs_per_sm, s
         assert got_out.data_ptr() == out.data_ptr()
         assert_bitexact(got_out, expected, name=f"call {i} with out")
         nf4h.assert_poison_intact(buf, 1, 1 + out.numel())
-    plan = dequant_api.cached_plan(state)
-    assert plan is not None and plan.config is config
+    plan = dequant_api.CACHE.peek(state)
+    assert plan is not None and plan.config is config and plan.bound is not None
     direct = ".".join(triton.__version__.split(".")[:2]) in runtime.DIRECT_LAUNCH_VERSIONS
-    assert plan.bound.native == (direct and native), native_mod.build_error
-    if not plan.bound.native:
-        launch_fn = plan.bound.ctx[0]
-        assert (type(launch_fn).__name__ == "builtin_function_or_method") == direct, type(launch_fn)
+    launch_fn = plan.bound.ctx[0]
+    assert (type(launch_fn).__name__ == "builtin_function_or_method") == (direct and direct_launch), type(launch_fn)
 
 
 def test_explicit_ftz_true_takes_the_fast_path_and_keeps_one_plan(nf4h):
     """ftz=True is the CUDA default, so a caller that passes it on every call (as the experiments do)
-    gets the cached launch, and the plan is made once, not remade on every call."""
+    gets the cached launch, and the plan is made once (the first call notes the state, the second binds the
+    launch), not remade on every call."""
     shape, dtype = (333, 129), torch.float16
     packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("explicit-ftz", shape))
     expected = _bnb(packed, state)
     buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=3)
     nf4.dequantize(packed, state, out=out, ftz=True)
-    assert dequant_api.cached_plan(state) is None  # a plan is made the second time a state takes the full path
+    noted = dequant_api.CACHE.peek(state)
+    assert noted is not None and noted.bound is None  # the first call notes the state; the second binds the launch
     nf4.dequantize(packed, state, out=out, ftz=True)
-    plan = dequant_api.cached_plan(state)
+    plan = dequant_api.CACHE.peek(state)
+    assert plan is noted and plan.bound is not None
     runs = []
     inner = plan.bound
 
@@ -556,10 +558,10 @@ def test_explicit_ftz_true_takes_the_fast_path_and_keeps_one_plan(nf4h):
         assert got is out
         assert_bitexact(out, expected, name=f"explicit ftz=True, call {i}")
         nf4h.assert_poison_intact(buf, 3, 3 + out.numel())
-        assert dequant_api.cached_plan(state) is plan
+        assert dequant_api.CACHE.peek(state) is plan
     assert runs == [plan] * 3
     got = nf4.dequantize(packed, state, ftz=False)  # not the plan's ftz: the full path, the plan untouched
-    assert runs == [plan] * 3 and dequant_api.cached_plan(state) is plan
+    assert runs == [plan] * 3 and dequant_api.CACHE.peek(state) is plan
     assert_bitexact(got, expected, name="ftz=False (no subnormal products in this weight)")
 
 
@@ -573,7 +575,7 @@ def test_fast_path_from_a_new_thread(nf4h):
     expected = _bnb(packed, state)
     buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=0)
     nf4.dequantize(packed, state, out=out)
-    nf4.dequantize(packed, state, out=out)  # the plan now holds this out
+    nf4.dequantize(packed, state, out=out)  # the second call binds the launch (the plan)
     torch.cuda.synchronize()
     nf4h.poison(buf)
     results, errors = [], []
@@ -595,6 +597,16 @@ def test_fast_path_from_a_new_thread(nf4h):
     assert_bitexact(results[1], expected, name="allocating call from a new thread")
 
 
+class _RecordingBound:
+    """Stands in for a plan's bound launch (its instance state, not a module's): records the packed pointer of
+    each launch, then launches."""
+
+    def __init__(self, inner, ptrs):
+        self.ctx = None
+        self.fn = lambda ctx, stream, packed_ptr, out_ptr: (ptrs.append(packed_ptr),
+                                                              inner.fn(inner.ctx, stream, packed_ptr, out_ptr))
+
+
 def test_fast_path_params4bit_and_data_swap(nf4h):
     """Repeated calls on a Linear4bit's Params4bit (a tensor subclass with its own __torch_function__)
     take the cached launch and stay exact; after `weight.data` is swapped for other packed bytes (same
@@ -607,18 +619,26 @@ def test_fast_path_params4bit_and_data_swap(nf4h):
     w, qs = layer.weight, layer.weight.quant_state
     qs.dtype = torch.bfloat16
     expected = _bnb(w.data, qs)
+    original_ptr = w.data.data_ptr()
+    ptrs = []
     for i in range(3):
         assert_bitexact(nf4.dequantize(w, qs), expected, name=f"Params4bit call {i}")
-    plan = dequant_api.cached_plan(qs)
-    assert plan.matches(qs) and plan.packed_ptr(w) == w.data.data_ptr()
+        plan = dequant_api.CACHE.peek(qs)
+        # the first call notes the state, the second binds the launch (the plan), the third takes it
+        assert plan is not None and (plan.bound is None) == (i == 0), i
+        if i == 1:
+            plan.bound = _RecordingBound(plan.bound, ptrs)
+    assert plan.matches(qs, w) and ptrs == [original_ptr]
     swapped = torch.randint(0, 256, w.data.shape, dtype=torch.uint8, device=CUDA,
                             generator=torch.Generator(device=CUDA).manual_seed(1))
     w.data = swapped
-    assert plan.matches(qs) and plan.packed_ptr(w) == swapped.data_ptr()  # same plan, the new bytes
+    assert plan.matches(qs, w)  # the same plan ...
     expected_swapped = _bnb(swapped, qs)
     assert not torch.equal(expected_swapped.view(torch.int16), expected.view(torch.int16))
     for i in range(2):
         assert_bitexact(nf4.dequantize(w, qs), expected_swapped, name=f"after the data swap, call {i}")
+    assert dequant_api.CACHE.peek(qs) is plan
+    assert ptrs == [original_ptr] + [swapped.data_ptr()] * 2  # ... launched on the new bytes
 
 
 def _layer(nf4h, key, in_features=333, out_features=129, dtype=torch.bfloat16):
@@ -638,10 +658,10 @@ def test_every_call_form_takes_one_plan_and_stays_exact(nf4h):
     layer = _layer(nf4h, "call-forms")
     w, qs = layer.weight, layer.weight.quant_state
     expected = _bnb(w.data, qs)
-    for i in range(2):
+    for i in range(2):  # the first call notes the state, the second binds the launch (the plan)
         assert_bitexact(nf4.dequantize(layer), expected, name=f"call {i} (the module): full path")
-    plan = dequant_api.cached_plan(qs)
-    assert plan is not None
+    plan = dequant_api.CACHE.peek(qs)
+    assert plan is not None and plan.bound is not None
     forms = {
         "module": lambda: nf4.dequantize(layer),
         "params4bit": lambda: nf4.dequantize(w),
@@ -652,7 +672,7 @@ def test_every_call_form_takes_one_plan_and_stays_exact(nf4h):
     for name, call in forms.items():
         for i in range(2):
             assert_bitexact(call(), expected, name=f"{name}, call {i}")
-            assert dequant_api.cached_plan(qs) is plan, name
+            assert dequant_api.CACHE.peek(qs) is plan, name
     row = nf4.dequantize(w.data.t(), qs)  # a (1, k) packed tensor: bitsandbytes returns the transpose
     assert_bitexact(row, _bnb(w.data.t(), qs), name=".t() of the packed storage")
     buf, out = nf4h.poisoned_out(tuple(qs.shape), torch.bfloat16, CUDA, lead=8)  # 16-byte aligned
@@ -661,9 +681,9 @@ def test_every_call_form_takes_one_plan_and_stays_exact(nf4h):
         assert nf4.dequantize(w.data.view(-1, 1), qs, out=out) is out
         assert_bitexact(out, expected, name=f"out= into a caller's buffer, call {i}")
         nf4h.assert_poison_intact(buf, 8, 8 + out.numel())
-    assert dequant_api.cached_plan(qs) is plan
+    assert dequant_api.CACHE.peek(qs) is plan
     buf, out = nf4h.poisoned_out(tuple(qs.shape), torch.bfloat16, CUDA, lead=1)  # not 16-byte aligned
-    for i in range(3):  # the plan's kernel assumes an aligned out: the full path, then a plan of its own
+    for i in range(3):  # the plan's kernel assumes an aligned out: the full path
         nf4h.poison(buf)
         assert nf4.dequantize(w.data, qs, out=out) is out
         assert_bitexact(out, expected, name=f"out= into a misaligned buffer, call {i}")
@@ -687,9 +707,9 @@ def test_plan_reads_the_bytes_of_each_call_and_never_serves_a_stale_weight(nf4h)
     assert_bitexact(nf4.dequantize(packed, qs), _bnb(packed, qs), name="bytes changed in place")
     qs.absmax.copy_(torch.roll(qs.absmax, 1))  # mutated in place
     assert_bitexact(nf4.dequantize(packed, qs), _bnb(packed, qs), name="absmax mutated in place")
-    plan = dequant_api.cached_plan(qs)
+    plan = dequant_api.CACHE.peek(qs)
     qs.absmax = qs.absmax.flip(0).contiguous()  # replaced: the plan no longer matches
-    assert not plan.matches(qs)
+    assert not plan.matches(qs, packed)
     assert_bitexact(nf4.dequantize(packed, qs), _bnb(packed, qs), name="absmax replaced")
     qs.state2.absmax.mul_(2)
     assert_bitexact(nf4.dequantize(packed, qs), _bnb(packed, qs), name="state2.absmax mutated")
@@ -736,60 +756,41 @@ def _misaligned_copy(t: torch.Tensor, shift_bytes: int) -> torch.Tensor:
     return out
 
 
-def _template_config(out_bytes: int):
-    """The tuned config with the first-call template on."""
-    device = torch.device(CUDA, torch.cuda.current_device())
-    return dequant_api.tuned_config(device, out_bytes).with_(first_call_template=True)
+def _device() -> torch.device:
+    return torch.device(CUDA, torch.cuda.current_device())
 
 
-def _template_of(packed, state, out, config):
-    """The template the launch signature of dequantize(packed, state, out=out, config=config) would use, or None."""
-    if state.nested:
-        extra = (state.state2.absmax, state.state2.code, state.offset)
-    else:
-        extra = (dequant_api._dummy(packed.device),) * 3
-    key = dequant_api._template_key(packed, state.absmax, *extra, out, out.numel(), state.blocksize, state.nested,
-                                    True, config)
-    return dequant_api._templates.get(key)
-
-
-class _CountingBound:
-    """Stands in for a template's bound launch (its instance state, not a module's) and counts its launches."""
-
-    def __init__(self, inner, runs):
-        self.ctx = None
-        self.fn = lambda ctx, *a: (runs.append(1), inner.fn(inner.ctx, *a))
+def _count_launches(plan, runs):
+    """Wrap a plan's bound launch so that each launch through it appends to `runs`."""
+    inner = plan.bound
+    plan.bound = _RecordingBound(inner, runs)
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["dq", "plain"])
-def test_first_call_of_a_new_state_launches_through_a_template_and_stays_exact(nf4h, nested):
-    """A QuantState's first call (no plan yet) launches through the template of its launch signature, with
-    every pointer of this call: new weights with new bytes and new QuantStates, each exact and each writing all
-    of a poisoned out; a state whose tensors sit at another alignment, packed bytes at another alignment and
-    another output dtype each get a template of their own, and the plan still comes on the second call."""
+def test_first_calls_of_new_states_are_exact_and_the_plan_comes_on_the_second(nf4h, nested):
+    """A QuantState's first call (noted, no launch bound yet): new weights with new bytes and new QuantStates, each
+    exact and each writing all of a poisoned out; the launch is bound on the second call and taken from the third.
+    A state whose tensors sit at another alignment, packed bytes at another alignment and another output dtype are
+    exact on their first calls too."""
     shape, dtype = (257, 1029), torch.bfloat16
-    config = _template_config(2 * math.prod(shape))
+    config = tuned_config(_device(), 2 * math.prod(shape))
     for i in range(3):
         p, s = nf4h.quantize(shape, dtype, 64, nested, device=CUDA, seed=nf4h.case_seed("tmpl", nested, i))
         buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=8)
-        if i == 0:
-            nf4.dequantize(p, nf4h.clone_state(s), out=out, config=config)  # the signature's first launch
-        template = _template_of(p, s, out, config)
-        assert template is not None, "no template for this launch signature"
-        inner, runs = template.bound, []
-        template.bound = _CountingBound(inner, runs)
-        try:
-            nf4h.poison(buf)
-            assert nf4.dequantize(p, s, out=out, config=config) is out
-        finally:
-            template.bound = inner
-        assert runs == [1], "the first call of a new QuantState did not take the template"
-        assert_bitexact(out, _bnb(p, s), name=f"template launch {i}")
+        nf4h.poison(buf)
+        assert nf4.dequantize(p, s, out=out, config=config) is out
+        assert_bitexact(out, _bnb(p, s), name=f"first call {i}")
         nf4h.assert_poison_intact(buf, 8, 8 + out.numel())
-        assert dequant_api.cached_plan(s) is None
+        noted = dequant_api.CACHE.peek(s)
+        assert noted is not None and noted.bound is None
         assert_bitexact(nf4.dequantize(p, s, config=config), _bnb(p, s), name=f"second call {i} (full path, plan made)")
-        assert dequant_api.cached_plan(s) is not None
-    # other alignments and dtypes: templates of their own, each exact on its first call
+        plan = dequant_api.CACHE.peek(s)
+        assert plan is noted and plan.bound is not None
+        runs = []
+        _count_launches(plan, runs)
+        assert_bitexact(nf4.dequantize(p, s, config=config), _bnb(p, s), name=f"third call {i} (the plan)")
+        assert len(runs) == 1, "the third call did not take the plan"
+    # other alignments and dtypes, each exact on its first call
     packed, state = p, s
     shifted = nf4h.clone_state(state, absmax=_misaligned_copy(state.absmax, 4 if not nested else 1))
     cases = (("absmax misaligned", _misaligned_copy(packed, 0), shifted, dtype),
@@ -798,7 +799,7 @@ def test_first_call_of_a_new_state_launches_through_a_template_and_stays_exact(n
              ("float32 out", _misaligned_copy(packed, 0), state, torch.float32))
     for name, p, s, out_dtype in cases:
         expected = _bnb(packed, nf4h.clone_state(s, dtype=out_dtype))  # the same bytes, aligned
-        cfg = config if out_dtype == dtype else _template_config(4 * math.prod(shape))
+        cfg = config if out_dtype == dtype else tuned_config(_device(), 4 * math.prod(shape))
         for i in range(2):
             fresh = nf4h.clone_state(s) if name != "absmax misaligned" else nf4h.clone_state(
                 s, absmax=_misaligned_copy(s.absmax, s.absmax.data_ptr() % 16))  # clone_state re-aligns it
@@ -806,31 +807,32 @@ def test_first_call_of_a_new_state_launches_through_a_template_and_stays_exact(n
             assert nf4.dequantize(p, fresh, out=out, dtype=out_dtype, config=cfg) is out
             assert_bitexact(out, expected, name=f"{name}, call {i}")
             nf4h.assert_poison_intact(buf, 8, 8 + out.numel())
-            assert _template_of(p, fresh, out, cfg) is not None, name
 
 
-def test_templates_keep_no_weight_alive_and_stand_aside_for_hooks_and_plan_false(nf4h):
-    """A template holds pointers only: the weight and its state die with their last reference. With a Triton
-    launch hook installed (a profiler) or `DequantConfig(plan=False)` the call takes Triton's launch."""
+def test_cache_keeps_no_weight_alive_and_stands_aside_for_hooks_and_plan_false(nf4h):
+    """The cache holds no pointer to a freed weight: the weight and its state die with their last reference. With a
+    Triton launch hook installed (a profiler) every call takes Triton's launch and no launch is bound; with
+    `DequantConfig(plan=False)` nothing is cached."""
     import gc
     import weakref
 
     from triton import knobs
 
     shape, dtype = (129, 333), torch.float16
-    config = _template_config(2 * math.prod(shape))
+    config = tuned_config(_device(), 2 * math.prod(shape))
     packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("tmpl-alive"))
     nf4.dequantize(packed, state, config=config)
     fresh = nf4h.clone_state(state)
     expected = _bnb(packed, fresh)
     buf, out = nf4h.poisoned_out(shape, dtype, CUDA, lead=8)
-    assert _template_of(packed, fresh, out, config) is not None
-    assert_bitexact(nf4.dequantize(packed, fresh, out=out, config=config), expected, name="template launch")
+    for i in range(3):  # noted, bound, the plan
+        assert_bitexact(nf4.dequantize(packed, fresh, out=out, config=config), expected, name=f"call {i}")
+    assert dequant_api.CACHE.peek(fresh).bound is not None
     del buf, out
     refs = [weakref.ref(t) for t in (packed, fresh.absmax, fresh.state2.absmax)]
     del packed, fresh, state
     gc.collect()
-    assert all(r() is None for r in refs), "a template keeps a freed tensor alive"
+    assert all(r() is None for r in refs), "the cache keeps a freed tensor alive"
     packed, state = nf4h.quantize(shape, dtype, 64, True, device=CUDA, seed=nf4h.case_seed("tmpl-hook"))
     nf4.dequantize(packed, state, config=config)
     seen = []
@@ -841,17 +843,21 @@ def test_templates_keep_no_weight_alive_and_stand_aside_for_hooks_and_plan_false
         chain.add(hook)
     else:
         knobs.runtime.launch_enter_hook = hook
+    hooked = nf4h.clone_state(state)
     try:
-        got = nf4.dequantize(packed, nf4h.clone_state(state), config=config)
+        got = [nf4.dequantize(packed, hooked, config=config) for _ in range(3)]
         torch.cuda.synchronize()
     finally:
         if hasattr(chain, "add"):
             chain.remove(hook)
         else:
             knobs.runtime.launch_enter_hook = saved
-    assert seen, "with a launch hook installed the call did not go through Triton's launcher"
-    assert_bitexact(got, _bnb(packed, state), name="with a launch hook")
-    count = len(dequant_api._templates)
-    got = nf4.dequantize(packed, nf4h.clone_state(state), config=config.with_(plan=False))
-    assert_bitexact(got, _bnb(packed, state), name="plan=False")
-    assert len(dequant_api._templates) == count, "plan=False made a template"
+    assert len(seen) == 3, f"with a launch hook installed {3 - len(seen)} of 3 calls skipped Triton's launcher"
+    assert dequant_api.CACHE.peek(hooked).bound is None, "a launch was bound while a hook was installed"
+    for i, g in enumerate(got):
+        assert_bitexact(g, _bnb(packed, state), name=f"with a launch hook, call {i}")
+    unplanned = nf4h.clone_state(state)
+    for i in range(3):
+        got = nf4.dequantize(packed, unplanned, config=config.with_(plan=False))
+        assert_bitexact(got, _bnb(packed, state), name=f"plan=False, call {i}")
+    assert dequant_api.CACHE.peek(unplanned) is None, "plan=False cached the state"

@@ -17,8 +17,9 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 import nf4
-from nf4 import DequantConfig
+from nf4 import DequantConfig, NF4Weight
 from nf4.dequant.kernel import nf4_dequantize_kernel
+from nf4.dequant.launch import launch
 from reference.format import BLOCKSIZES
 from verify.exact import assert_bitexact, compare
 
@@ -139,12 +140,6 @@ def test_misaligned_packed(nf4h, shape, double_quant, byte_offset):
     _check(nf4h, view, state)
 
 
-def _launch_inputs(state):
-    if state.nested:
-        return state.absmax, state.state2.absmax, state.state2.code, state.offset
-    return state.absmax, None, None, None
-
-
 # (tile_bytes, blocksize, numel). In the interpreter each program costs tens of milliseconds, so
 # the 16-byte tile gets a small weight (still many programs per absmax block and a tail).
 TILE_CASES = [(16, 32, 20 * 32 - 5), (16, 64, 10 * 64 - 5)] + [
@@ -159,10 +154,8 @@ TILE_CASES = [(16, 32, 20 * 32 - 5), (16, 64, 10 * 64 - 5)] + [
 def test_codebook_and_tile(nf4h, codebook, tile_bytes, blocksize, numel, double_quant, out_dtype):
     packed, state = nf4h.quantize((numel,), torch.float32, blocksize, double_quant,
                                   seed=nf4h.case_seed("tile", codebook, tile_bytes, blocksize, double_quant))
-    absmax, absmax2, code2, offset = _launch_inputs(state)
     out = torch.empty(numel, dtype=out_dtype)
-    got = nf4.launch(packed, absmax, absmax2, code2, offset, out, numel, blocksize, state.nested, False,
-                     config=DequantConfig(tile_bytes=tile_bytes, codebook=codebook))
+    got, *_ = launch(NF4Weight.of(packed, state), out, False, DequantConfig(tile_bytes=tile_bytes, codebook=codebook))
     assert got is out
     assert_bitexact(out, nf4h.reference_dequant(packed, state, out_dtype))
 
@@ -177,10 +170,9 @@ def test_persistent_grid(nf4h, programs, tile_bytes, blocksize, numel):
     """The fixed-grid word path: each program strides over the tiles; the last one writes the tail."""
     packed, state = nf4h.quantize((numel,), torch.float32, blocksize, True,
                                   seed=nf4h.case_seed("persist", programs, tile_bytes, blocksize, numel))
-    absmax, absmax2, code2, offset = _launch_inputs(state)
     out = torch.full((numel + 64,), float("nan"), dtype=torch.bfloat16)
-    got = nf4.launch(packed, absmax, absmax2, code2, offset, out[:numel], numel, blocksize, True, False,
-                     config=DequantConfig(tile_bytes=tile_bytes, programs_per_sm=1, interpret_programs=programs))
+    got, *_ = launch(NF4Weight.of(packed, state), out[:numel], False,
+                     DequantConfig(tile_bytes=tile_bytes, programs_per_sm=1, interpret_programs=programs))
     assert got.data_ptr() == out.data_ptr()
     assert_bitexact(out[:numel], nf4h.reference_dequant(packed, state, torch.bfloat16))
     assert torch.isnan(out[numel:]).all(), "wrote past the end of out"

@@ -2,7 +2,7 @@
 
 The cases cover the tails (numel % 8 of every residue, a partial last byte), odd byte counts, a
 packed tensor that is not 4-byte aligned (the byte path), bf16 quant_storage, every output dtype,
-with and without double quantization, through the first call, the plan and out=. The child
+with and without double quantization, through the first calls, the bound repeat call and out=. The child
 process checks each result bit for bit against bitsandbytes, so the sanitizer sees exact runs.
 Set NF4_SANITIZER_LOG to a folder to keep the tools' full output there.
 """
@@ -36,7 +36,7 @@ for numel in (1, 3, 7, 9, 17, 65, 1031):
                                              quant_storage=storage)
                 qs.dtype = out_dtype
                 expected = F.dequantize_4bit(packed, qs, quant_type="nf4")
-                for call in range(2):  # the first call, then the plan
+                for call in range(3):  # the first call (noted), the second (its launch bound), then the bound launch
                     assert_bitexact(nf4.dequantize(packed, qs), expected, name=f"{numel} {out_dtype} {call}")
                 out = torch.empty_like(expected)
                 assert_bitexact(nf4.dequantize(packed, qs, out=out), expected, name=f"{numel} out=")

@@ -4,7 +4,7 @@ No GPU is needed: `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 
 and a cubin with the ptxas bundled with triton. The compile runs in a child process without
 TRITON_INTERPRET (in the interpreter, `@triton.jit` yields functions that cannot be compiled).
 
-What is compiled is what `nf4.launch` would launch for the challenge's 8192x2048 weight (blocksize
+What is compiled is what `nf4.dequant.launch.launch` would launch for the challenge's 8192x2048 weight (blocksize
 64, double quantization): the child calls the dequant launch inside `nf4.runtime.recording()`, on
 stand-in tensors that report a CUDA device (so launch takes its GPU path; the interpreter path
 passes other meta-parameters), and turns the recorded arguments and options into the signature,
@@ -40,9 +40,9 @@ import triton
 import triton.compiler
 from triton.backends.compiler import GPUTarget
 
-from nf4 import runtime
-from nf4.dequant import api as dequant_api
+from nf4 import NF4Weight, runtime
 from nf4.dequant.kernel import nf4_dequantize_kernel as KERNEL
+from nf4.dequant.launch import launch, tuned_config
 POINTER = {torch.uint8: "*u8", torch.int8: "*i8", torch.float16: "*fp16", torch.bfloat16: "*bf16",
            torch.float32: "*fp32"}
 N, BLOCKSIZE = 8192 * 2048, 64
@@ -75,12 +75,12 @@ class FakeCudaTensor:
 def recorded_launch(out_dtype, ftz):
     n_blocks = N // BLOCKSIZE
     # The config the tuned table gives the challenge's 8192x2048 weight (no GPU here to name).
-    config = dequant_api.tuned_config(torch.device("cpu"), N * torch.empty((), dtype=out_dtype).element_size())
+    config = tuned_config(torch.device("cpu"), N * torch.empty((), dtype=out_dtype).element_size())
+    w = NF4Weight(FakeCudaTensor(torch.uint8, N // 2), FakeCudaTensor(torch.uint8, n_blocks),
+                  FakeCudaTensor(torch.float32, -(-n_blocks // 256)), FakeCudaTensor(torch.float32, 256),
+                  FakeCudaTensor(torch.float32, 1), (N,), BLOCKSIZE, out_dtype, True)
     with runtime.recording() as calls:
-        dequant_api.launch(FakeCudaTensor(torch.uint8, N // 2), FakeCudaTensor(torch.uint8, n_blocks),
-                           FakeCudaTensor(torch.float32, -(-n_blocks // 256)), FakeCudaTensor(torch.float32, 256),
-                           FakeCudaTensor(torch.float32, 1), FakeCudaTensor(out_dtype, N), N, BLOCKSIZE, True, ftz,
-                           config=config)
+        launch(w, FakeCudaTensor(out_dtype, N), ftz, config)
     if len(calls) != 1 or calls[0].fn is not KERNEL:
         raise RuntimeError(f"the dequant launch made {len(calls)} launches, expected one of nf4_dequantize_kernel")
     return calls[0].grid, calls[0].args, calls[0].options
@@ -167,12 +167,7 @@ def build(name, cap, out_dtype, ftz, fusion=None):
     result.update(ptx=compiled.asm.get("ptx", ""), cubin_bytes=len(cubin), cubin_is_elf=cubin[:4] == b"\x7fELF",
                   shared=int(compiled.metadata.shared), num_warps=int(compiled.metadata.num_warps))
     result.update(resource_usage(cubin))
-    from nf4.runtime import native
-    bound = native.layout(dict(src.signature), args)
-    result.update(native_ptx_sizes=native.ptx_param_sizes(result["ptx"], "nf4_dequantize_kernel"),
-                  native_sizes=bound and bound[2], native_out_slot=bound and bound[1][0],
-                  native_slots=bound and bound[0].hex(),
-                  native_ints=[v for v in args if isinstance(v, int) and not isinstance(v, bool)][:3])
+    result.update(ints=[v for v in args if isinstance(v, int) and not isinstance(v, bool)][:3])
     return result
 
 
@@ -226,7 +221,7 @@ def test_ptx_and_cubin(builds, name):
     assert f".target sm_{build['cap']}" in build["ptx"], "PTX for the wrong target"
     assert ".entry nf4_dequantize_kernel" in build["ptx"]
     assert build["cubin_is_elf"] and build["cubin_bytes"] > 0, "no cubin"
-    assert build["launch_options"]["enable_fp_fusion"] is False, "nf4.launch must compile with contraction off"
+    assert build["launch_options"]["enable_fp_fusion"] is False, "the dequant launch must compile with contraction off"
 
 
 @pytest.mark.parametrize("name", MAIN)
@@ -259,17 +254,9 @@ def test_contraction_control(builds, name):
 
 
 @pytest.mark.parametrize("name", UNFUSED)
-def test_native_launch_layout_matches_the_ptx(builds, name):
-    """nf4.runtime.native binds one slot per PTX parameter, in order and of the same size, with the output
-    pointer and the three sizes (n, packed bytes, words) where the kernel reads them."""
+def test_launch_passes_the_three_sizes(builds, name):
+    """The launch's integer arguments are the three sizes the kernel reads: n, packed bytes, whole words."""
     build = _built(builds, name)
-    assert build["native_sizes"] is not None, "nf4.runtime.native.layout refused the production launch"
-    assert build["native_sizes"] == build["native_ptx_sizes"], (build["native_sizes"], build["native_ptx_sizes"])
-    slots = bytes.fromhex(build["native_slots"])
-    words = [int.from_bytes(slots[8 * i:8 * i + 8], "little") for i in range(len(slots) // 8)]
-    assert words[build["native_out_slot"]] == 1 << 24  # the stand-in output's data_ptr
-    n, n_bytes, n_words = build["native_ints"]
+    n, n_bytes, n_words = build["ints"]
     assert (n, n_bytes, n_words) == (build["numel"], build["numel"] // 2, build["numel"] // 8)
-    assert words[build["native_out_slot"] + 1:build["native_out_slot"] + 4] == [n, n_bytes, n_words]
-    assert words[-2:] == [0, 0]  # the scratch pointers
 

@@ -572,14 +572,15 @@ def test_linear4bit_cuda_fallback_forward_and_backward(nf4h, compress_statistics
     assert _counts(FB) == (1, 0) and _counts(DQ) == (1, 0)
     assert_bitexact(y1, y0, name="output")
     assert_bitexact(g1, g0, name="input gradient")
-    from nf4.dequant.api import cached_plan
+    from nf4.dequant.api import CACHE
 
     # the forward's dequantize used the layer's own QuantState (handed over by matmul_4bit's replacement):
-    # its plan exists after the second call with it (the backward's was the first), and a third forward,
-    # served by it, gives the same bits
+    # its launch is bound (the plan) after the second call with it (the backward's was the first), and a third
+    # forward, served by it, gives the same bits
     with nf4.patched_bitsandbytes():
         y2, g2, _ = _forward_backward(layer, x)
-        assert cached_plan(layer.weight.quant_state) is not None
+        plan = CACHE.peek(layer.weight.quant_state)
+        assert plan is not None and plan.bound is not None
         y3, _, _ = _forward_backward(layer, x)
     assert_bitexact(y2, y0, name="output, again")
     assert_bitexact(g2, g0, name="input gradient, again")
@@ -593,9 +594,9 @@ UC = "_gemm_4bit_use_custom_fn"
 @pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "Some Other GPU"])
 def test_gemm_4bit_choice_route(device_name, m):
     """The replacement of `_gemm_4bit_use_custom_fn` answers "fallback" (False: routed to nf4) from the
-    measured row threshold of the GPU on (nf4.linear.config.routes_gemm_4bit), and asks the original
+    measured row threshold of the GPU on (nf4.integrations.routes.routes_gemm_4bit), and asks the original
     heuristic below it with the caller's arguments; unpatched it always asks the original."""
-    from nf4.linear.config import routes_gemm_4bit
+    from nf4.integrations.routes import routes_gemm_4bit
 
     calls = []
 
@@ -622,7 +623,7 @@ def test_linear4bit_cuda_gemm_route(nf4h):
     """CUDA: a Linear4bit forward of M rows at or above the GPU's routing threshold goes to nf4 (the
     heuristic's replacement says fallback, the fallback dequantizes with nf4), bit-identical to
     bitsandbytes' own dequantize + F.linear; below the threshold bitsandbytes' choice is asked."""
-    from nf4.linear.config import ROUTE_GEMM_4BIT_MIN_M, routes_gemm_4bit
+    from nf4.integrations.routes import ROUTE_GEMM_4BIT_MIN_M, routes_gemm_4bit
 
     name = torch.cuda.get_device_name(0)
     m_route = next((v for gpu, v in ROUTE_GEMM_4BIT_MIN_M.items() if gpu in name), min(ROUTE_GEMM_4BIT_MIN_M.values()))
@@ -707,7 +708,8 @@ def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
     """While the matmul_4bit replacement runs its original, the fallback's replacement gets the call's own
     QuantState for gemm_4bit's arguments that are that state's tensors (so nf4.dequantize's plan for the state
     serves it), None for any other arguments, and None outside the call; the plain mode does it too."""
-    from nf4.integrations.bitsandbytes import _state_of_call, route_matmul_4bit
+    from nf4.integrations.bitsandbytes import route_matmul_4bit
+    from nf4.integrations.routes import _state_of_call
 
     seen = []
     for double_quant in (True, False):
@@ -748,7 +750,7 @@ def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
 def test_routes_matmul_4bit_limits(device_name, m):
     """The fused route's row limit per GPU: 1 to the GPU's ROUTE_MATMUL_4BIT_MAX_M (the default GPU's for
     another GPU and for the interpreter's "")."""
-    from nf4.linear.config import DEFAULT_GPU, ROUTE_MATMUL_4BIT_MAX_M, routes_matmul_4bit
+    from nf4.integrations.routes import DEFAULT_GPU, ROUTE_MATMUL_4BIT_MAX_M, routes_matmul_4bit
 
     limit = next((v for gpu, v in ROUTE_MATMUL_4BIT_MAX_M.items() if device_name and gpu in device_name),
                  ROUTE_MATMUL_4BIT_MAX_M[DEFAULT_GPU])
@@ -758,15 +760,15 @@ def test_routes_matmul_4bit_limits(device_name, m):
 def test_route_limits_trace_under_compile():
     """The per-GPU limit lookups run inside a compiled Linear4bit's forward: dynamo traces them without a graph
     break (fullgraph), a cold cache and a warm one (a lookup keyed by a table's id() did not trace)."""
-    from nf4.linear import config
-    from nf4.linear.config import routes_gemm_4bit, routes_matmul_4bit
+    from nf4.integrations import routes
+    from nf4.integrations.routes import routes_gemm_4bit, routes_matmul_4bit
 
     def f(x):
         return x + int(routes_matmul_4bit("NVIDIA H100 80GB HBM3", 5)) + int(routes_gemm_4bit("NVIDIA H200", 200))
 
     for cold in (True, False):
         if cold:
-            config._limits.clear()
+            routes._limits.clear()
         torch._dynamo.reset()
         assert torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2)).tolist() == [2.0, 2.0]
 
@@ -828,7 +830,7 @@ def test_flag_reads_without_quantstates_getattr(monkeypatch):
     """`_flag` (the fused route's read of `packing_format_for_cpu`) gives getattr(obj, name, False): on a QuantState
     without calling its Python __getattr__ (which raises for a missing name on every call), for an instance or a
     class attribute; on any other object as getattr does, consulting its own __getattr__, which may answer."""
-    from nf4.integrations.bitsandbytes import _flag
+    from nf4.integrations.routes import _flag
 
     calls = []
 
@@ -905,7 +907,7 @@ def test_linear4bit_cuda_fused_route(nf4h, compress_statistics):
     row gives the eager bits; 300 rows with grad give the plain patch's bits (both nf4.dequantize + cuBLAS there).
     (Where nf4.linear takes nf4.dequantize + cuBLAS instead, as for a float32
     QuantState, cuBLAS's bf16 reductions are not held to that bound: tests/nf4/linear/test_sum.py.)"""
-    from nf4.linear.config import routes_matmul_4bit
+    from nf4.integrations.routes import routes_matmul_4bit
 
     name = torch.cuda.get_device_name(0)
     seed = nf4h.case_seed("bnb-fused-cuda", compress_statistics)

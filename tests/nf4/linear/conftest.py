@@ -18,30 +18,32 @@ import nf4
 from nf4.linear import LinearConfig
 
 # Configs the interpreter tests run: small tiles so that N and K are several tiles and not multiples
-# of them; every codebook (0 gather, 1 select tree, 2 pair table, 3 product table: the word GEMV where
-# W's dtype is x's and M <= 4, else the 16-entry gather) appears.
+# of them; every kernel the interpreter can run and every level lookup (codebook 0 gather, 1 select tree,
+# 2 pair table) appears: the word GEMV ("gemv_table": where W's dtype is x's and M <= 4, else the
+# codebook-0 GEMV of its shape) and the word tl.dot kernel ("gemm_word": where W's dtype is x's, else the
+# codebook-0 tl.dot kernel of its shape).
 FORWARD = {
-    "gemv": LinearConfig(path="gemv"),
-    "gemv-s1": LinearConfig(path="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0),
-    "gemv-s2": LinearConfig(path="gemv", split_k=2, block_r=8, step_bytes=32, codebook=1),
-    "gemv-s3": LinearConfig(path="gemv", split_k=3, step_bytes=16),
-    "gemv-table": LinearConfig(path="gemv", split_k=2, block_r=16, step_bytes=32, codebook=3),
-    "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=1),
-    "gemm-swap": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=128, swap=True, codebook=0),
+    "gemv": LinearConfig(kernel="gemv"),
+    "gemv-s1": LinearConfig(kernel="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0),
+    "gemv-s2": LinearConfig(kernel="gemv", split_k=2, block_r=8, step_bytes=32, codebook=1),
+    "gemv-s3": LinearConfig(kernel="gemv", split_k=3, step_bytes=16),
+    "gemv-table": LinearConfig(kernel="gemv_table", split_k=2, block_r=16, step_bytes=32),
+    "gemm": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, codebook=1),
+    "gemm-swap": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=128, swap=True, codebook=0),
     # persistent: the interpreter's 3 programs loop over all the output tiles
-    "gemm-persistent": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=1),
-    # the word tl.dot kernel (codebook 3: nf4_gemm_word_kernel where W's dtype is x's, else the gathering tl.dot
-    # kernel with codebook 0), split-K 2 through the ordered sum, and unswapped
-    "gemm-word": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, swap=True, codebook=3, split_k=2),
-    "gemm-word-plain": LinearConfig(path="gemm", block_m=16, block_n=16, block_k=64, codebook=3, split_k=1),
+    "gemm-persistent": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=1),
+    # the word tl.dot kernel (nf4_gemm_word_kernel where W's dtype is x's, else the gathering tl.dot kernel with
+    # codebook 0), split-K 2 through the ordered sum, and unswapped
+    "gemm-word": LinearConfig(kernel="gemm_word", block_m=16, block_n=32, block_k=64, swap=True, split_k=2),
+    "gemm-word-plain": LinearConfig(kernel="gemm_word", block_m=16, block_n=16, block_k=64, split_k=1),
     "tuned": None,  # the interpreter's rows: GEMV for M <= 4, the tl.dot kernel above
 }
 BACKWARD = {
-    "gemv": LinearConfig(path="gemv"),
-    "gemv-small": LinearConfig(path="gemv", block_r=8, step_bytes=16, codebook=1),
-    "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=0),
-    "gemm-wide": LinearConfig(path="gemm", block_m=32, block_n=16, block_k=128, swap=True),  # swap: forward only
-    "gemm-persistent": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=2),
+    "gemv": LinearConfig(kernel="gemv"),
+    "gemv-small": LinearConfig(kernel="gemv", block_r=8, step_bytes=16, codebook=1),
+    "gemm": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, codebook=0),
+    "gemm-wide": LinearConfig(kernel="gemm", block_m=32, block_n=16, block_k=128, swap=True),  # swap: forward only
+    "gemm-persistent": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=2),
     "tuned": None,
 }
 

@@ -22,7 +22,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import nf4
 from nf4.linear import LinearConfig
-from nf4.linear.kernel import nf4_gemv_kernel
+from nf4.linear.gemv import nf4_gemv_kernel
+from nf4.weight import NF4Weight
 from verify.exact import assert_bitexact
 
 pytestmark = pytest.mark.skipif(
@@ -32,8 +33,11 @@ pytestmark = pytest.mark.skipif(
 
 ROOT = Path(__file__).resolve().parents[3]
 N, K = 45, 128
-CONFIGS = {"tuned": None, "gemv": LinearConfig(path="gemv", split_k=2, step_bytes=16),
-           "gemm": LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, swap=True)}
+CONFIGS = {"tuned": None, "gemv": LinearConfig(kernel="gemv", split_k=2, step_bytes=16),
+           "gemm": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, swap=True)}
+# presets that nf4.linear.tuned no longer names (no table row used them), with the fields they had
+GEMV_MMA = LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, step_bytes=32, programs_per_sm=12)
+GEMV_MMA8 = LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, step_bytes=16, programs_per_sm=7)
 
 
 @pytest.fixture
@@ -314,9 +318,10 @@ def test_bytes_changed_in_place_are_read(nf4h, lin, case):
 def test_linear_is_the_function_after_importing_its_modules():
     """`nf4.linear` (the function) shadows the package on the nf4 namespace; importing the package's
     modules, in either order and before or after `import nf4`, must not rebind it."""
-    for prelude in ("import nf4; import nf4.linear.api; import nf4.linear.config; import nf4.linear.kernel",
-                    "import nf4.linear.config; import nf4.linear.api; import nf4",
-                    "from nf4.linear import api, config; import nf4; from nf4.linear.api import run",
+    for prelude in ("import nf4; import nf4.linear.api; import nf4.linear.config; import nf4.linear.gemv; "
+                    "import nf4.linear.launch; import nf4.linear.ops",
+                    "import nf4.linear.tuned; import nf4.linear.config; import nf4.linear.api; import nf4",
+                    "from nf4.linear import api, config, launch; import nf4; from nf4.linear.api import run",
                     "import importlib, nf4; importlib.import_module('nf4.linear.api')"):
         code = (f"{prelude}\nimport nf4 as m\nassert callable(m.linear), m.linear\n"
                 "assert m.linear.__module__ == 'nf4.linear.api', m.linear.__module__\n"
@@ -330,8 +335,9 @@ def test_linear_is_the_function_after_importing_its_modules():
 
 
 @pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.TorchRuntimeError,
-                   reason="nf4/ops.py's nf4::linear triton_op launches the kernels with wrap_triton; under Triton's "
-                   "interpreter the kernels are InterpretedFunctions, which run on torch.compile's FakeTensors "
+                   reason="nf4/linear/ops.py's nf4::linear triton_op launches the kernels with wrap_triton; under "
+                   "Triton's interpreter the kernels are InterpretedFunctions, which run on torch.compile's "
+                   "FakeTensors "
                    "('Cannot access data pointer of Tensor (e.g. FakeTensor...)'); nf4.dequantize's opaque custom_op "
                    "compiles on the CPU (tests/nf4/dequant/test_api.py)")
 @pytest.mark.parametrize("m", [2, 33], ids=["gemv", "gemm"])
@@ -354,7 +360,7 @@ def test_torch_compile_fullgraph_cpu(lin, case, m):
 def test_tensor_core_rows_fall_back_to_dequantize_and_cublas(nf4h, lin):
     """A tuned tensor-core row for M > 4 that cannot run (here: no GPU) runs nf4.dequantize + F.linear, as the
     table did before at those M: the same bits as that product, bias included."""
-    from nf4.linear.config import GEMV_MMA16, GEMV_MMA32, GEMV_MMA_WK16
+    from nf4.linear.tuned import GEMV_MMA16, GEMV_MMA32, GEMV_MMA_WK16
 
     packed, qs = nf4h.quantize((40, 128), torch.bfloat16, 64, True, seed=nf4h.case_seed("mma-dequant-fallback"))
     bias = lin.randn((40,), torch.bfloat16, 3)
@@ -366,16 +372,15 @@ def test_tensor_core_rows_fall_back_to_dequantize_and_cublas(nf4h, lin):
 
 
 def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
-    """Codebook 3 (the word GEMV) runs for M <= 4 when W's dtype is x's and the packed bytes are 4-byte aligned;
-    elsewhere the tuned row falls back to the codebook-0 GEMV with its own shape and any other codebook-3
-    config keeps its shape with codebook 0; the meta device (the offline sm_75 builds) never takes it. The
-    tensor-core GEMV (mma) needs a CUDA GPU: here it falls back to the word GEMV, then as above."""
-    from nf4.linear import api as linear_api
-    from nf4.linear.config import (
+    """The word GEMV (kernel "gemv_table") runs for M <= 4 when W's dtype is x's and the packed bytes are 4-byte
+    aligned; elsewhere the tuned row falls back to the codebook-0 GEMV with its own shape and any other word GEMV
+    config keeps its shape as the codebook-0 GEMV; the meta device (the offline sm_75 builds) never takes it. The
+    tensor-core GEMV ("gemv_mma") needs a CUDA GPU: here it falls back to the word GEMV, then as above. The backward
+    takes the codebook-0 FMA GEMV or tl.dot kernel of a word config's shape."""
+    from nf4.linear import launch
+    from nf4.linear.tuned import (
         DEQUANT,
         GEMV,
-        GEMV_MMA,
-        GEMV_MMA8,
         GEMV_MMA16,
         GEMV_MMA32,
         GEMV_MMA_WK,
@@ -384,56 +389,62 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
         GEMV_TABLE,
         WORD_GEMM32,
         WORD_GEMM128,
-        LinearConfig,
     )
 
     packed, qs = nf4h.quantize((40, 128), torch.bfloat16, 64, True, seed=nf4h.case_seed("launch-config"))
-    w = linear_api.weight_state(packed, qs)
+    w = NF4Weight.from_state(packed, qs)
 
     def x(m, dtype=torch.bfloat16):
         return torch.empty((m, 128), dtype=dtype)
 
-    mine = LinearConfig(path="gemv", codebook=3, block_r=16, num_warps=1)
-    assert linear_api.launch_config(GEMV_TABLE, w, x(4), packed, 4, False) is GEMV_TABLE
-    assert linear_api.launch_config(GEMV_TABLE, w, x(5), packed, 5, False) is GEMV
-    assert linear_api.launch_config(GEMV_TABLE, w, x(1, torch.float16), packed, 1, False) is GEMV
-    assert linear_api.launch_config(GEMV_TABLE, w, x(1), packed, 1, True) is GEMV_TABLE  # backward: unused
-    assert linear_api.launch_config(mine, w, x(1, torch.float16), packed, 1, False) == mine.with_(codebook=0)
+    mine = LinearConfig(kernel="gemv_table", block_r=16, num_warps=1)
+    assert launch.launch_config(GEMV_TABLE, w, x(4), 4, False) is GEMV_TABLE
+    assert launch.launch_config(GEMV_TABLE, w, x(5), 5, False) is GEMV
+    assert launch.launch_config(GEMV_TABLE, w, x(1, torch.float16), 1, False) is GEMV
+    # backward: the FMA GEMV of the word GEMV's shape, with the 16-entry table (the old codebook 3 meant 0 there)
+    assert launch.launch_config(GEMV_TABLE, w, x(1), 1, True) == GEMV_TABLE.with_(kernel="gemv", codebook=0)
+    assert launch.launch_config(mine, w, x(1, torch.float16), 1, False) == mine.with_(kernel="gemv", codebook=0)
     flat = packed.reshape(-1)
     shifted = torch.empty(flat.numel() + 1, dtype=torch.uint8)[1:]
     shifted.copy_(flat)  # the same bytes one byte off alignment
-    assert linear_api.launch_config(GEMV_TABLE, w, x(1), shifted.reshape(packed.shape), 1, False) is GEMV
+    shifted_w = w.with_packed(shifted.reshape(packed.shape))
+    assert launch.launch_config(GEMV_TABLE, shifted_w, x(1), 1, False) is GEMV
     meta = torch.empty(packed.shape, dtype=packed.dtype, device="meta")
-    assert linear_api.launch_config(GEMV_TABLE, w, x(1), meta, 1, False) is GEMV
-    tc = LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2)
-    assert not linear_api.mma_ok(w, x(1), packed, 32, 1)  # a CPU tensor: no mma.sync
-    assert linear_api.launch_config(tc, w, x(1), packed, 1, False) == tc.with_(mma=False)
-    assert linear_api.launch_config(tc, w, x(5), packed, 5, False) == tc.with_(mma=False, codebook=0)
-    assert linear_api.launch_config(GEMV_MMA, w, x(1), packed, 1, False) is GEMV_TABLE  # the tuned rows' fallbacks
-    assert linear_api.launch_config(GEMV_MMA, w, x(1, torch.float16), packed, 1, False) is GEMV
-    assert linear_api.launch_config(GEMV_MMA8, w, x(8), packed, 8, False) is GEMV
-    assert linear_api.launch_config(GEMV_MMA16, w, x(16), packed, 16, False) is DEQUANT
-    assert linear_api.launch_config(GEMV_MMA32, w, x(32), packed, 32, False) is DEQUANT
+    assert launch.launch_config(GEMV_TABLE, w.with_packed(meta), x(1), 1, False) is GEMV
+    tc = LinearConfig(kernel="gemv_mma", block_r=32, num_warps=2)
+    assert not launch.runnable(tc, w, x(1), 1)  # a CPU tensor: no mma.sync
+    assert launch.launch_config(tc, w, x(1), 1, False) == tc.with_(kernel="gemv_table", codebook=0)
+    assert launch.launch_config(tc, w, x(5), 5, False) == tc.with_(kernel="gemv", codebook=0)
+    # GEMV_MMA and GEMV_MMA8 left the tuned table, and their tuned fallbacks with it: like any config of the
+    # caller's own they keep their shape (the word GEMV up to M = 4 where it runs, the codebook-0 GEMV else)
+    assert launch.launch_config(GEMV_MMA, w, x(1), 1, False) == GEMV_MMA.with_(kernel="gemv_table", codebook=0)
+    assert launch.launch_config(GEMV_MMA, w, x(1, torch.float16), 1, False) == GEMV_MMA.with_(kernel="gemv",
+                                                                                                codebook=0)
+    assert launch.launch_config(GEMV_MMA8, w, x(8), 8, False) == GEMV_MMA8.with_(kernel="gemv", codebook=0)
+    # the tuned rows' fallbacks
+    assert launch.launch_config(GEMV_MMA16, w, x(16), 16, False) is DEQUANT
+    assert launch.launch_config(GEMV_MMA32, w, x(32), 32, False) is DEQUANT
     # the single-launch rows (warps splitting K): the word GEMV up to M = 4, nf4.dequantize + cuBLAS above
-    assert linear_api.launch_config(GEMV_MMA_WK, w, x(1), packed, 1, False) is GEMV_TABLE
-    assert linear_api.launch_config(GEMV_MMA_WK, w, x(2, torch.float16), packed, 2, False) is GEMV
+    assert launch.launch_config(GEMV_MMA_WK, w, x(1), 1, False) is GEMV_TABLE
+    assert launch.launch_config(GEMV_MMA_WK, w, x(2, torch.float16), 2, False) is GEMV
     for m, want in ((3, GEMV_TABLE), (4, GEMV_TABLE), (5, DEQUANT), (8, DEQUANT)):
-        assert linear_api.launch_config(GEMV_MMA_WK16, w, x(m), packed, m, False) is want, m
-    assert linear_api.launch_config(GEMV_MMA_WK16, w, x(4, torch.float16), packed, 4, False) is GEMV
-    # the rows a weight's shape picks instead (config.for_shape): GEMV_MMA16 also at M <= 8, GEMV_MMA_WK4 at M <= 4
+        assert launch.launch_config(GEMV_MMA_WK16, w, x(m), m, False) is want, m
+    assert launch.launch_config(GEMV_MMA_WK16, w, x(4, torch.float16), 4, False) is GEMV
+    # the rows a weight's shape picks instead (tuned.for_shape): GEMV_MMA16 also at M <= 8, GEMV_MMA_WK4 at M <= 4
     for m, want in ((1, GEMV_TABLE), (4, GEMV_TABLE), (5, DEQUANT), (8, DEQUANT)):
-        assert linear_api.launch_config(GEMV_MMA16, w, x(m), packed, m, False) is want, m
-    assert linear_api.launch_config(GEMV_MMA_WK4, w, x(1), packed, 1, False) is GEMV_TABLE
+        assert launch.launch_config(GEMV_MMA16, w, x(m), m, False) is want, m
+    assert launch.launch_config(GEMV_MMA_WK4, w, x(1), 1, False) is GEMV_TABLE
     # the word tl.dot rows run where W's dtype is x's and the packed bytes are 4-byte aligned (the interpreter
     # too), else nf4.dequantize + cuBLAS; a word tl.dot config of the caller's own becomes the codebook-0 kernel
-    assert linear_api.launch_config(WORD_GEMM32, w, x(32), packed, 32, False) is WORD_GEMM32
-    assert linear_api.launch_config(WORD_GEMM128, w, x(100), packed, 100, False) is WORD_GEMM128
-    assert linear_api.launch_config(WORD_GEMM32, w, x(32, torch.float16), packed, 32, False) is DEQUANT
-    assert linear_api.launch_config(WORD_GEMM128, w, x(64), shifted.reshape(packed.shape), 64, False) is DEQUANT
-    assert linear_api.launch_config(WORD_GEMM32, w, x(32), meta, 32, False) is DEQUANT
-    assert linear_api.launch_config(WORD_GEMM32, w, x(32), packed, 32, True) is WORD_GEMM32  # backward: unused
-    word = LinearConfig(path="gemm", codebook=3, block_m=16, block_n=32)
-    assert linear_api.launch_config(word, w, x(20, torch.float16), packed, 20, False) == word.with_(codebook=0)
+    assert launch.launch_config(WORD_GEMM32, w, x(32), 32, False) is WORD_GEMM32
+    assert launch.launch_config(WORD_GEMM128, w, x(100), 100, False) is WORD_GEMM128
+    assert launch.launch_config(WORD_GEMM32, w, x(32, torch.float16), 32, False) is DEQUANT
+    assert launch.launch_config(WORD_GEMM128, shifted_w, x(64), 64, False) is DEQUANT
+    assert launch.launch_config(WORD_GEMM32, w.with_packed(meta), x(32), 32, False) is DEQUANT
+    # backward: the codebook-0 tl.dot kernel of the word kernel's shape
+    assert launch.launch_config(WORD_GEMM32, w, x(32), 32, True) == WORD_GEMM32.with_(kernel="gemm", codebook=0)
+    word = LinearConfig(kernel="gemm_word", block_m=16, block_n=32)
+    assert launch.launch_config(word, w, x(20, torch.float16), 20, False) == word.with_(kernel="gemm", codebook=0)
 
 
 def test_persistent_gemm_writes_every_tile_with_fewer_programs(nf4h):
@@ -441,41 +452,41 @@ def test_persistent_gemm_writes_every_tile_with_fewer_programs(nf4h):
     ...) writes every element of a poisoned out and nothing outside it, forward and backward, and equals the
     one-program-per-tile grid bit for bit (each tile is computed the same way)."""
     from nf4 import runtime
-    from nf4.linear import api
-    from nf4.linear.config import INTERPRET_PROGRAMS
+    from nf4.linear import api, launch
+    from nf4.linear.tuned import INTERPRET_PROGRAMS
 
-    config = LinearConfig(path="gemm", block_m=16, block_n=16, block_k=64, codebook=0, persistent=1)
+    config = LinearConfig(kernel="gemm", block_m=16, block_n=16, block_k=64, codebook=0, persistent=1)
     n, k, m = 70, 128, 37  # 5 x 3 forward tiles, 2 x 3 backward (K / 2 = 64 bytes in steps of 32)
     packed, qs = nf4h.quantize((n, k), torch.bfloat16, 64, True, seed=nf4h.case_seed("persistent-gemm"))
-    w = api._weight(packed, qs)
+    w = NF4Weight.from_state(packed, qs)
+    entry = api.entry_of(packed, qs)
     g = torch.Generator().manual_seed(nf4h.case_seed("persistent-gemm-x"))
     for trans, width, n_out, tiles in ((False, k, n, 15), (True, n, k, 6)):
         x = torch.randn(m, width, generator=g).to(torch.bfloat16)
         buf, out = nf4h.poisoned_out((m, n_out), torch.bfloat16, "cpu", lead=3)
-        ((fn, grid, args, options),) = api.kernel_args(x, packed, w, None, out, m, trans, config, False, True)
+        ((fn, grid, args, options),) = launch.kernel_args(x, w, None, out, m, trans, config, False, True)
         assert grid == (INTERPRET_PROGRAMS,) and INTERPRET_PROGRAMS < tiles
         runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
         nf4h.assert_poison_intact(buf, 3, 3 + out.numel())
-        expected = api.run(x, packed, w, None, trans=trans, config=config.with_(persistent=0), ftz=False)
+        expected = api.run(x, packed, qs, entry, None, trans=trans, config=config.with_(persistent=0), ftz=False)
         assert_bitexact(out, expected, name=f"persistent gemm, trans={trans}")
 
 
 def test_warps_k_config_falls_back_where_the_tensor_core_gemv_cannot_run(nf4h):
     """In Triton's interpreter (no PTX) a tensor-core GEMV whose warps split K (warps_k) falls back like any
     tensor-core config: the word GEMV of the same rows per program, warps_k 1; its product is that config's."""
-    from nf4.linear import api
-    from nf4.linear import config as linear_config
+    from nf4.linear import launch
 
-    config = linear_config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1)
+    config = GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1)
     packed, qs = nf4h.quantize((45, 256), torch.bfloat16, 64, True, seed=nf4h.case_seed("warps_k-fallback"))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    launched = api.launch_config(config, api._weight(packed, qs), x, packed, 3, False)
-    assert launched == config.with_(mma=False, warps_k=1)
+    launched = launch.launch_config(config, NF4Weight.from_state(packed, qs), x, 3, False)
+    assert launched == config.with_(kernel="gemv_table", codebook=0, warps_k=1)
     assert_bitexact(nf4.linear(x, packed, qs, config=config), nf4.linear(x, packed, qs, config=launched))
 
 
 def test_tuned_rows_for_a_weights_shape():
-    """config.tuned with the weight's shape (config.for_shape): the word tl.dot rows give way to GEMV_MMA32 on
+    """tuned.tuned with the weight's shape (tuned.for_shape): the word tl.dot rows give way to GEMV_MMA32 on
     small weights (M = 17-32), to nf4.dequantize + cuBLAS on rows under 4096 (M = 65-128) and on rows under 8192
     of weights under LARGE_WEIGHT (M = 129-256), to WORD_GEMM128_W8 (M = 65-128) and WORD_GEMM32_S8 (M = 17-32)
     on rows of 4096-8191 of larger weights; at M <= 4 the
@@ -483,7 +494,7 @@ def test_tuned_rows_for_a_weights_shape():
     warps (2048 bytes), and GEMV_MMA_WK2 on 14336-16384 rows of 4096 weights; every other row and M, a weight of few
     rows, the backward, a call without the shape and
     the interpreter's rows are as before."""
-    from nf4.linear.config import (
+    from nf4.linear.tuned import (
         DEQUANT,
         GEMV_MMA32,
         GEMV_MMA_WK,
@@ -558,9 +569,9 @@ def test_tuned_rows_for_a_weights_shape():
 
 @pytest.mark.parametrize("trans", [False, True], ids=["forward", "backward"])
 def test_dequantize_matmul_opaque_op(nf4h, lin, trans):
-    """The op nf4::linear's dequant path runs under torch.compile (nf4/ops.py): torch.library.opcheck (schema,
+    """The op nf4::linear's dequant path runs under torch.compile (nf4/linear/ops.py): torch.library.opcheck (schema,
     fake tensor, dispatch), and its output is eager's nf4.dequantize + cuBLAS product bit for bit."""
-    import nf4.ops  # registers the ops
+    import nf4.linear.ops  # registers the ops
 
     n, k = 37, 128
     packed, qs = nf4h.quantize((n, k), torch.bfloat16, 64, True, seed=nf4h.case_seed("dequant-matmul-op", trans))
@@ -578,17 +589,17 @@ def test_maxnreg_reaches_the_compile_options_and_changes_no_result(nf4h):
     """LinearConfig.maxnreg is a compile option of the GEMV launches (PTX .maxnreg on a GPU; the offline sm_90a
     builds of experiments bench-linear's mma-wk-reg grid), absent where it is None; in Triton's interpreter a
     GEMV config with it gives its product without it, bit for bit."""
-    from nf4.linear import api
-    from nf4.linear import config as linear_config
+    from nf4.linear import launch
+    from nf4.linear.tuned import GEMV_MMA_WK
 
     packed, qs = nf4h.quantize((45, 256), torch.bfloat16, 64, True, seed=nf4h.case_seed("maxnreg"))
-    w = api._weight(packed, qs)
+    w = NF4Weight.from_state(packed, qs)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
     out = torch.empty((3, 45), dtype=torch.bfloat16)
-    capped = linear_config.GEMV_MMA_WK.with_(maxnreg=64)
-    for config, want in ((capped, {"num_warps": 8, "maxnreg": 64}), (linear_config.GEMV_MMA_WK, {"num_warps": 8})):
-        ((fn, _, _, options),) = api.kernel_args(x, packed, w, None, out, 3, False, config, True, False,
-                                                 mma_check=lambda *a: True)
+    capped = GEMV_MMA_WK.with_(maxnreg=64)
+    for config, want in ((capped, {"num_warps": 8, "maxnreg": 64}), (GEMV_MMA_WK, {"num_warps": 8})):
+        # kernel_args trusts the config's kernel (an offline build passes the config it wants)
+        ((fn, _, _, options),) = launch.kernel_args(x, w, None, out, 3, False, config, True, False)
         assert fn.__name__ == "nf4_gemv_mma_kernel" and options == want
-    plain = LinearConfig(path="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0)
+    plain = LinearConfig(kernel="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0)
     assert_bitexact(nf4.linear(x, packed, qs, config=plain.with_(maxnreg=40)), nf4.linear(x, packed, qs, config=plain))

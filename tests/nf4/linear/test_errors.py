@@ -10,7 +10,7 @@ from triton.runtime.interpreter import InterpretedFunction
 import nf4
 from nf4 import DequantConfig
 from nf4.linear import LinearConfig
-from nf4.linear.kernel import nf4_gemv_kernel
+from nf4.linear.gemv import nf4_gemv_kernel
 from verify.exact import assert_bitexact
 
 pytestmark = pytest.mark.skipif(
@@ -59,10 +59,10 @@ BAD = [
     ("bias-list", _kw(bias=[0.0] * N), TypeError, r"bias must be a torch\.Tensor or None, got list"),
     ("bias-meta", _kw(bias=torch.zeros(N, dtype=torch.bfloat16, device=META)), ValueError,
      r"bias is on meta, expected cpu"),
-    ("config-str", _kw(config="gemv"), TypeError, r"config must be a nf4\.LinearConfig, got str"),
-    ("config-dict", _kw(config={"path": "gemv"}), TypeError, r"config must be a nf4\.LinearConfig, got dict"),
+    ("config-str", _kw(config="gemv"), TypeError, r"config must be a nf4\.LinearConfig or None, got str 'gemv'"),
+    ("config-dict", _kw(config={"kernel": "gemv"}), TypeError, r"config must be a nf4\.LinearConfig or None, got dict"),
     ("config-dequant", _kw(config=DequantConfig()), TypeError,
-     r"config must be a nf4\.LinearConfig, got DequantConfig"),
+     r"config must be a nf4\.LinearConfig or None, got DequantConfig"),
     ("ftz-int", _kw(ftz=1), TypeError, r"ftz must be True, False or None.*int 1"),
     ("ftz-str", _kw(ftz="yes"), TypeError, r"ftz must be True, False or None.*str 'yes'"),
     ("qs-tensor", lambda h, p, s: (_x(), p, s.absmax, {}), TypeError,
@@ -107,45 +107,65 @@ def test_bad_input_with_grad(nf4h, case):
 
 
 BAD_CONFIG = [
-    ("path", {"path": "cublas"}, r"LinearConfig\.path must be one of \('gemv', 'gemm', 'dequant'\), got 'cublas'"),
+    ("kernel", {"kernel": "cublas"},
+     r"LinearConfig\.kernel must be one of \('gemv', 'gemv_table', 'gemv_mma', 'gemm', 'gemm_word', 'dequant'\), "
+     r"got 'cublas'"),
+    ("kernel-old-path", {"kernel": "word"}, r"LinearConfig\.kernel must be one of .*got 'word'"),
     ("block_r", {"block_r": 24}, r"LinearConfig\.block_r must be a power of two, got 24"),
     ("block_r-0", {"block_r": 0}, r"LinearConfig\.block_r must be a power of two, got 0"),
     ("step_bytes", {"step_bytes": 48}, r"LinearConfig\.step_bytes must be a power of two, got 48"),
-    ("step_bytes-small", {"step_bytes": 8}, r"LinearConfig\.step_bytes must be at least 16, got 8"),
+    ("step_bytes-small", {"step_bytes": 8},
+     r"LinearConfig: step_bytes must be in 16\.\.1024 and block_r at most 1024, got 8, 32"),
+    ("step_bytes-large", {"step_bytes": 2048}, r"step_bytes must be in 16\.\.1024 .*got 2048, 32"),
+    ("block_r-large", {"block_r": 2048}, r"block_r at most 1024, got 32, 2048"),
     ("block_m", {"block_m": 96}, r"LinearConfig\.block_m must be a power of two, got 96"),
     ("block_n", {"block_n": 100}, r"LinearConfig\.block_n must be a power of two, got 100"),
     ("block_k", {"block_k": 3}, r"LinearConfig\.block_k must be a power of two, got 3"),
     ("group", {"group": 6}, r"LinearConfig\.group must be a power of two, got 6"),
-    ("block_m-small", {"block_m": 8}, r"block_m >= 16.*got 8"),
-    ("block_k-small", {"block_k": 16}, r"block_k >= 32.*16"),
-    ("codebook", {"codebook": 4}, r"LinearConfig\.codebook must be 0, 1, 2 or 3, got 4"),
+    ("block_m-small", {"block_m": 8},
+     r"LinearConfig: tl\.dot needs block_m and block_n in 16\.\.512 and block_k >= 32, got 8, 128, 128"),
+    ("block_n-large", {"block_n": 1024}, r"block_m and block_n in 16\.\.512 .*got 64, 1024, 128"),
+    ("block_k-small", {"block_k": 16}, r"block_k >= 32, got 64, 128, 16"),
+    ("codebook", {"codebook": 4}, r"LinearConfig\.codebook must be 0, 1 or 2, got 4"),
+    # the old codebook 3 (the product-table GEMVs) is a kernel now: kernel="gemv_table" / "gemv_mma" / "gemm_word"
+    ("codebook-3", {"codebook": 3}, r"LinearConfig\.codebook must be 0, 1 or 2, got 3"),
     ("split_k", {"split_k": -1}, r"split_k must be >= 0.*got -1"),
     ("programs_per_sm", {"programs_per_sm": 0}, r"programs_per_sm >= 1.*0"),
+    ("num_stages-0", {"num_stages": 0}, r"LinearConfig\.num_stages must be in 1\.\.8, got 0"),
+    ("num_stages-9", {"num_stages": 9}, r"LinearConfig\.num_stages must be in 1\.\.8, got 9"),
     ("num_warps", {"num_warps": 3}, r"LinearConfig\.num_warps must be a power of two up to 16, got 3"),
-    ("block_r-bool", {"block_r": True}, r"LinearConfig\.block_r must be a power of two, got True"),
-    ("block_m-float", {"block_m": 64.0}, r"LinearConfig\.block_m must be a power of two, got 64.0"),
     ("persistent", {"persistent": -1},
      r"LinearConfig\.persistent must be >= 0 \(programs per multiprocessor\), got -1"),
-    ("warps_k-3", {"mma": True, "codebook": 3, "num_warps": 4, "block_r": 16, "warps_k": 3},
-     r"LinearConfig\.warps_k must be a power of two dividing num_warps = 4, got 3"),
-    ("warps_k-past-num_warps", {"mma": True, "codebook": 3, "num_warps": 4, "block_r": 8, "warps_k": 8},
-     r"LinearConfig\.warps_k must be a power of two dividing num_warps = 4, got 8"),
-    ("warps_k-without-mma", {"warps_k": 2},
-     r"LinearConfig\.warps_k > 1 needs mma=True \(the tensor-core GEMV\), got 2"),
-    ("warps_k-block_r", {"mma": True, "codebook": 3, "num_warps": 4, "block_r": 64, "warps_k": 2},
-     r"LinearConfig\.block_r must be 16 \* num_warps / warps_k = 32 with mma=True .*got 64"),
+    ("evict", {"evict": "evict_sometimes"},
+     r"LinearConfig\.evict must be one of \('', 'evict_first', 'evict_last', 'evict_normal'\), got 'evict_sometimes'"),
+    ("warps_k-3", {"kernel": "gemv_mma", "num_warps": 4, "block_r": 16, "warps_k": 3},
+     r"LinearConfig\.warps_k must be a power of two, got 3"),
+    ("warps_k-past-num_warps", {"kernel": "gemv_mma", "num_warps": 4, "block_r": 8, "warps_k": 8},
+     r"LinearConfig\.warps_k must divide num_warps = 4, got 8"),
+    ("warps_k-without-mma", {"warps_k": 2}, r"LinearConfig\.warps_k > 1 needs kernel='gemv_mma', got 'gemv'"),
+    ("warps_k-word-gemv", {"kernel": "gemv_table", "warps_k": 2},
+     r"LinearConfig\.warps_k > 1 needs kernel='gemv_mma', got 'gemv_table'"),
+    ("warps_k-block_r", {"kernel": "gemv_mma", "num_warps": 4, "block_r": 64, "warps_k": 2},
+     r"LinearConfig\.block_r must be 16 \* num_warps / warps_k = 32 with kernel='gemv_mma' .*got 64"),
+    ("mma-block_r", {"kernel": "gemv_mma"},
+     r"LinearConfig\.block_r must be 16 \* num_warps / warps_k = 64 with kernel='gemv_mma' .*got 32"),
     ("maxnreg-small", {"maxnreg": 8}, r"LinearConfig\.maxnreg must be in 16\.\.255 \(registers per thread\), got 8"),
     ("maxnreg-large", {"maxnreg": 256}, r"LinearConfig\.maxnreg must be in 16\.\.255 .*got 256"),
 ]
 
 BAD_CONFIG_TYPES = [
-    ("split_k-float", {"split_k": 2.0}, r"LinearConfig\.split_k must be an int, got 2.0"),
-    ("num_warps-bool", {"num_warps": True}, r"LinearConfig\.num_warps must be an int, got True"),
-    ("swap-int", {"swap": 1}, r"LinearConfig\.swap must be a bool, got 1"),
-    ("warps_k-float", {"warps_k": 2.0}, r"LinearConfig\.warps_k must be an int, got 2.0"),
-    ("persistent-bool", {"persistent": True}, r"LinearConfig\.persistent must be an int, got True"),
-    ("maxnreg-float", {"maxnreg": 64.0}, r"LinearConfig\.maxnreg must be None or an int, got 64\.0"),
-    ("maxnreg-bool", {"maxnreg": True}, r"LinearConfig\.maxnreg must be None or an int, got True"),
+    ("kernel-int", {"kernel": 1}, r"LinearConfig\.kernel must be str, got int 1"),
+    ("split_k-float", {"split_k": 2.0}, r"LinearConfig\.split_k must be int, got float 2\.0"),
+    ("num_warps-bool", {"num_warps": True}, r"LinearConfig\.num_warps must be int, got bool True"),
+    ("swap-int", {"swap": 1}, r"LinearConfig\.swap must be bool, got int 1"),
+    ("warps_k-float", {"warps_k": 2.0}, r"LinearConfig\.warps_k must be int, got float 2\.0"),
+    ("persistent-bool", {"persistent": True}, r"LinearConfig\.persistent must be int, got bool True"),
+    ("block_r-bool", {"block_r": True}, r"LinearConfig\.block_r must be int, got bool True"),
+    ("block_m-float", {"block_m": 64.0}, r"LinearConfig\.block_m must be int, got float 64\.0"),
+    ("codebook-bool", {"codebook": False}, r"LinearConfig\.codebook must be int, got bool False"),
+    ("evict-none", {"evict": None}, r"LinearConfig\.evict must be str, got NoneType None"),
+    ("maxnreg-float", {"maxnreg": 64.0}, r"LinearConfig\.maxnreg must be int \| None, got float 64\.0"),
+    ("maxnreg-bool", {"maxnreg": True}, r"LinearConfig\.maxnreg must be int \| None, got bool True"),
 ]
 
 
@@ -165,9 +185,17 @@ def test_bad_linear_config(changes, pattern):
 
 
 def test_linear_config_is_a_frozen_value():
-    config = LinearConfig(path="gemm", swap=True)
-    assert config == LinearConfig(path="gemm", swap=True)
-    assert hash(config) == hash(LinearConfig(path="gemm", swap=True))
-    assert config.with_(swap=False) == LinearConfig(path="gemm")
+    config = LinearConfig(kernel="gemm", swap=True)
+    assert config == LinearConfig(kernel="gemm", swap=True)
+    assert hash(config) == hash(LinearConfig(kernel="gemm", swap=True))
+    assert config.with_(swap=False) == LinearConfig(kernel="gemm")
+    assert config != LinearConfig(kernel="gemm_word", swap=True)
     with pytest.raises(AttributeError):
-        config.path = "gemv"
+        config.kernel = "gemv"
+
+
+@pytest.mark.parametrize("old", [{"path": "gemv"}, {"mma": True}], ids=["path", "mma"])
+def test_linear_config_has_no_path_or_mma(old):
+    """The kernel's name replaced `path`, `mma` and codebook 3: the old fields are no keywords of the config."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
+        LinearConfig(**old)

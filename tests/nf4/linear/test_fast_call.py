@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import nf4
+from nf4 import runtime
 from nf4.dequant.api import contiguous_strides
 from nf4.linear import api as linear_api
 
@@ -35,42 +36,53 @@ def _stream(index):
     return 0
 
 
+def _served(x, packed, qs):
+    """What nf4.linear's repeat call does first (for a plain packed tensor and no bias): the cache entry of the
+    QuantState while it still matches (state and packed tensor), then that entry's fast call; None: refused (the
+    call goes on to the checked path)."""
+    entry = linear_api.CACHE.get(qs, packed)
+    return None if entry is None else linear_api._fast_call(x, packed, entry)
+
+
 @pytest.fixture
-def fast(nf4h):
-    """(packed, QuantState, the weight's validated state, x (3, K) bfloat16, the recorder) with a bound launch stood
-    in for M = 3 and its fast entry noted, as the checked repeat call notes it."""
+def fast(nf4h, monkeypatch):
+    """(packed, QuantState, the weight's cache entry, x (3, K) bfloat16, the recorder) with a bound launch stood
+    in for M = 3 and its fast entry noted, as the checked repeat call notes it. The stream the fast call launches on
+    (nf4.runtime.raw_stream, absent from CPU-only builds) is a constant here."""
+    monkeypatch.setattr(runtime, "raw_stream", _stream)
     seed = nf4h.case_seed("fast-call")
     packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=seed)
-    w = linear_api.weight_state(packed, qs)
+    w = linear_api.entry_of(packed, qs)
+    assert linear_api.CACHE.get(qs, packed) is w
     rec = _Recorder()
     ftz = w.index >= 0  # the device's default that the repeat call uses
     g = torch.Generator().manual_seed(seed)
     x = torch.randn((3, K), generator=g).to(torch.bfloat16)
-    linear_api._remember_fast(x, w, ftz, stream=_stream)
+    linear_api._remember_fast(x, w, ftz)
     assert not w.fast  # no bound launch for M = 3 yet: nothing noted
     w.launches[(3, torch.bfloat16, False, False, None, ftz)] = (rec, None, 0)
-    linear_api._remember_fast(x, w, ftz, stream=_stream)
+    linear_api._remember_fast(x, w, ftz)
     yield packed, qs, w, x, rec
-    linear_api.forget(qs)
+    linear_api.CACHE.forget(qs)
 
 
 def test_nothing_noted_for_a_split_sum_or_the_dequant_path(nf4h):
     packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("fast-none"))
-    w = linear_api.weight_state(packed, qs)
+    w = linear_api.entry_of(packed, qs)
     ftz = w.index >= 0
     x = torch.zeros((5, K), dtype=torch.bfloat16)
     for plan in ((_Recorder(), _Recorder(), 5 * N * 2), linear_api._DEQUANT, 0):
         w.launches[(5, torch.bfloat16, False, False, None, ftz)] = plan
-        linear_api._remember_fast(x, w, ftz, stream=_stream)
+        linear_api._remember_fast(x, w, ftz)
         assert not w.fast, plan
-    linear_api.forget(qs)
+    linear_api.CACHE.forget(qs)
 
 
 def test_fast_entry_made_and_used(fast):
     packed, qs, w, x, rec = fast
     assert set(w.fast) == {x.shape}
     before = x.clone()
-    y1 = linear_api._fast_call(x, packed, qs, w)
+    y1 = linear_api._fast_call(x, packed, w)
     y2 = nf4.linear(x, packed, qs)  # the public call takes the fast entry
     assert y1 is not None and len(rec.calls) == 2
     for y, ptrs in ((y1, rec.calls[0]), (y2, rec.calls[1])):
@@ -84,54 +96,64 @@ def test_fast_entry_made_and_used(fast):
 def test_fast_entry_with_leading_dimensions(fast):
     packed, qs, w, x, rec = fast
     x3 = x.view(1, 3, K)
-    assert linear_api._fast_call(x3, packed, qs, w) is None  # another shape of x: not noted yet
-    linear_api._remember_fast(x3, w, w.index >= 0, stream=_stream)
-    y = linear_api._fast_call(x3, packed, qs, w)
+    assert linear_api._fast_call(x3, packed, w) is None  # another shape of x: not noted yet
+    linear_api._remember_fast(x3, w, w.index >= 0)
+    y = linear_api._fast_call(x3, packed, w)
     assert y is not None and y.shape == (1, 3, N) and y.stride() == torch.empty((1, 3, N)).stride()
     assert rec.calls[-1] == (x3.data_ptr(), packed.data_ptr(), y.data_ptr())
+    y = nf4.linear(x3, packed, qs)  # the public call takes it too
+    assert y.shape == (1, 3, N) and rec.calls[-1] == (x3.data_ptr(), packed.data_ptr(), y.data_ptr())
 
 
 def _refusals(packed, qs, x):
-    """(what changed, x, packed, QuantState) for each call the fast entry must not serve."""
+    """(what changed, x, packed, QuantState, whether the fast call itself refuses) for each call the fast entry must
+    not serve; the packed tensors of another byte count or dtype are refused by the cache entry's check
+    (`matches`), before the fast call."""
     unaligned_x = torch.empty(3 * K + 8, dtype=torch.bfloat16)[1:3 * K + 1].view(3, K).copy_(x)
     store = torch.empty(packed.numel() + 16, dtype=packed.dtype)
     unaligned_packed = store[1:packed.numel() + 1].view(packed.shape).copy_(packed)
     strided_x = torch.empty((3, 2 * K), dtype=torch.bfloat16)[:, ::2].copy_(x)
     return [
-        ("float16 x", x.to(torch.float16), packed, qs),
-        ("another M", torch.cat([x, x]), packed, qs),
-        ("non-contiguous x", strided_x, packed, qs),
-        ("x not 16-byte aligned", unaligned_x, packed, qs),
-        ("packed not 16-byte aligned", x, unaligned_packed, qs),
-        ("packed of another byte count", x, packed[:-1], qs),
-        ("packed of another dtype", x, packed.view(torch.int8), qs),
+        ("float16 x", x.to(torch.float16), packed, qs, True),
+        ("another M", torch.cat([x, x]), packed, qs, True),
+        ("non-contiguous x", strided_x, packed, qs, True),
+        ("x not 16-byte aligned", unaligned_x, packed, qs, True),
+        ("packed not 16-byte aligned", x, unaligned_packed, qs, True),
+        ("packed of another byte count", x, packed[:-1], qs, False),
+        ("packed of another dtype", x, packed.view(torch.int8), qs, False),
     ]
 
 
 def test_fast_call_refuses_what_it_was_not_made_for(fast):
     packed, qs, w, x, rec = fast
-    for what, x2, packed2, qs2 in _refusals(packed, qs, x):
-        assert linear_api._fast_call(x2, packed2, qs2, w) is None, what
+    for what, x2, packed2, qs2, by_fast_call in _refusals(packed, qs, x):
+        assert _served(x2, packed2, qs2) is None, what
+        if by_fast_call:
+            assert linear_api._fast_call(x2, packed2, w) is None, what
     assert not rec.calls
+    assert _served(x, packed, qs) is not None and len(rec.calls) == 1  # the call it was made for
 
 
 def test_fast_call_refuses_a_changed_quant_state(fast):
-    packed, qs, w, x, _ = fast
+    packed, qs, w, x, rec = fast
     old = qs.absmax
     qs.absmax = old.clone()
     try:
-        assert linear_api._fast_call(x, packed, qs, w) is None
+        assert linear_api.CACHE.get(qs, packed) is None
+        assert _served(x, packed, qs) is None
     finally:
         qs.absmax = old
-    assert linear_api._fast_call(x, packed, qs, w) is not None
+    assert not rec.calls
+    assert linear_api.CACHE.get(qs, packed) is w
+    assert _served(x, packed, qs) is not None and len(rec.calls) == 1
 
 
 def test_fast_call_leaves_autograd_to_the_checked_path(fast):
-    packed, qs, w, x, _ = fast
+    packed, _, w, x, _ = fast
     xg = x.clone().requires_grad_(True)
-    assert linear_api._fast_call(xg, packed, qs, w) is None
+    assert linear_api._fast_call(xg, packed, w) is None
     with torch.no_grad():
-        y = linear_api._fast_call(xg, packed, qs, w)
+        y = linear_api._fast_call(xg, packed, w)
     assert y is not None and not y.requires_grad
 
 
@@ -150,8 +172,8 @@ def test_the_repeat_call_notes_and_takes_the_fast_entry_on_a_gpu(nf4h):
     x = torch.randn((1, k), device="cuda").to(torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), nf4.dequantize(packed, qs).float()).to(torch.bfloat16)
     got = [nf4.linear(x, packed, qs) for _ in range(3)]  # full path, bound on the second, noted on the third
-    w = linear_api._weights[id(qs)]
-    assert x.shape in w.fast
+    w = linear_api.CACHE.get(qs, packed)
+    assert w is not None and x.shape in w.fast
     calls = []
     code = linear_api._fast_call.__code__
 
@@ -169,4 +191,4 @@ def test_the_repeat_call_notes_and_takes_the_fast_entry_on_a_gpu(nf4h):
     for r in (*got, y):  # the single-launch GEMV at M = 1: one product per output, against float32 on the operand
         assert torch.equal(r.view(torch.int16), got[0].view(torch.int16))
     assert (y.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-6
-    linear_api.forget(qs)
+    linear_api.CACHE.forget(qs)

@@ -24,9 +24,10 @@ if torch.cuda.is_available():
 
     import nf4
     from nf4.linear import LinearConfig
-    from nf4.linear.api import _weight, run
-    from nf4.linear.config import tuned
-    from nf4.linear.kernel import nf4_gemv_kernel
+    from nf4.linear.api import entry_of, run
+    from nf4.linear.gemv import nf4_gemv_kernel
+    from nf4.linear.tuned import tuned
+    from nf4.weight import NF4Weight
     from reference.linear import worst_ratio
     from verify.exact import assert_bitexact
 
@@ -36,52 +37,52 @@ if torch.cuda.is_available():
     FORWARD = {  # name -> (rows of x per call, config)
         "tuned-M1": (1, None), "tuned-M3": (3, None), "tuned-M16": (16, None), "tuned-M32": (32, None),
         "tuned-M64": (64, None), "tuned-M128": (128, None), "tuned-M300": (300, None),
-        "gemv": (4, LinearConfig(path="gemv")),
-        "gemv-split1": (2, LinearConfig(path="gemv", split_k=1, codebook=0)),
-        "gemv-split3": (3, LinearConfig(path="gemv", split_k=3, step_bytes=16, codebook=1)),
-        "gemv-table": (4, LinearConfig(path="gemv", codebook=3, block_r=128)),
-        "gemv-table-M1": (1, LinearConfig(path="gemv", codebook=3, block_r=64, split_k=1)),
+        "gemv": (4, LinearConfig(kernel="gemv")),
+        "gemv-split1": (2, LinearConfig(kernel="gemv", split_k=1, codebook=0)),
+        "gemv-split3": (3, LinearConfig(kernel="gemv", split_k=3, step_bytes=16, codebook=1)),
+        "gemv-table": (4, LinearConfig(kernel="gemv_table", block_r=128)),
+        "gemv-table-M1": (1, LinearConfig(kernel="gemv_table", block_r=64, split_k=1)),
         # the tensor-core word GEMV (mma.sync): M = 1, 5 (B columns past M), 8 (all of B's columns), 13, 19, 32
-        "gemv-mma-M1": (1, LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4)),
-        "gemv-mma-M5": (5, LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, split_k=1,
+        "gemv-mma-M1": (1, LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4)),
+        "gemv-mma-M5": (5, LinearConfig(kernel="gemv_mma", block_r=32, num_warps=2, split_k=1,
                                         step_bytes=16)),
-        "gemv-mma-M8": (8, LinearConfig(path="gemv", codebook=3, mma=True, block_r=128, num_warps=8, split_k=3)),
+        "gemv-mma-M8": (8, LinearConfig(kernel="gemv_mma", block_r=128, num_warps=8, split_k=3)),
         # two and four 8-row tiles of x (B's columns), the last one partly past M
-        "gemv-mma-M13": (13, LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, split_k=2)),
-        "gemv-mma-M32": (32, LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2,
+        "gemv-mma-M13": (13, LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, split_k=2)),
+        "gemv-mma-M32": (32, LinearConfig(kernel="gemv_mma", block_r=32, num_warps=2,
                                           step_bytes=16)),
-        "gemv-mma-M19": (19, LinearConfig(path="gemv", codebook=3, mma=True, block_r=64, num_warps=4, split_k=1)),
+        "gemv-mma-M19": (19, LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, split_k=1)),
         # warps that split K inside a program (warps_k): one launch with 4 warps per 16 rows (some warps past the
         # last step on short rows), 2 warps per 16 rows beside split-K, 8 warps per 16 rows at four tiles of x
-        "gemv-mma-wk4-M1": (1, LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=4, warps_k=4,
+        "gemv-mma-wk4-M1": (1, LinearConfig(kernel="gemv_mma", block_r=16, num_warps=4, warps_k=4,
                                             split_k=1)),
-        "gemv-mma-wk2-M13": (13, LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=4, warps_k=2,
+        "gemv-mma-wk2-M13": (13, LinearConfig(kernel="gemv_mma", block_r=32, num_warps=4, warps_k=2,
                                               split_k=2, step_bytes=16)),
-        "gemv-mma-wk8-M32": (32, LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8,
+        "gemv-mma-wk8-M32": (32, LinearConfig(kernel="gemv_mma", block_r=16, num_warps=8, warps_k=8,
                                               split_k=1, step_bytes=16)),
-        "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
-        "gemm-swap": (16, LinearConfig(path="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
+        "gemm": (64, LinearConfig(kernel="gemm", block_m=64, block_n=128, block_k=128)),
+        "gemm-swap": (16, LinearConfig(kernel="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
         # the word tl.dot kernel (nf4_gemm_word_kernel): split-K 3 (ordered sum) with M not a multiple of the tile,
         # one launch with 8 warps, and a split from the programs-per-multiprocessor rule
-        "word-gemm-M19": (19, LinearConfig(path="gemm", codebook=3, block_m=32, block_n=128, swap=True, num_stages=3,
+        "word-gemm-M19": (19, LinearConfig(kernel="gemm_word", block_m=32, block_n=128, swap=True, num_stages=3,
                                            split_k=3)),
-        "word-gemm-M100": (100, LinearConfig(path="gemm", codebook=3, block_m=128, block_n=256, num_warps=8,
+        "word-gemm-M100": (100, LinearConfig(kernel="gemm_word", block_m=128, block_n=256, num_warps=8,
                                              swap=True, split_k=1)),
-        "word-gemm-M64": (64, LinearConfig(path="gemm", codebook=3, block_m=64, block_n=128, swap=True, num_stages=3,
+        "word-gemm-M64": (64, LinearConfig(kernel="gemm_word", block_m=64, block_n=128, swap=True, num_stages=3,
                                            split_k=0, programs_per_sm=2)),
         # 256 rows of x per tile, 8 warps, one program per multiprocessor (WORD_GEMM256): two tiles along M
-        "word-gemm-M300": (300, LinearConfig(path="gemm", codebook=3, block_m=256, block_n=128, num_warps=8, swap=True,
+        "word-gemm-M300": (300, LinearConfig(kernel="gemm_word", block_m=256, block_n=128, num_warps=8, swap=True,
                                              num_stages=3, split_k=0, programs_per_sm=1)),
         # WORD_GEMM128's tile with 8 warps in one launch (WORD_GEMM128_W8, the table's on large weights at M = 128)
-        "word-gemm-M128-w8": (128, LinearConfig(path="gemm", codebook=3, block_m=128, block_n=128, block_k=64,
+        "word-gemm-M128-w8": (128, LinearConfig(kernel="gemm_word", block_m=128, block_n=128, block_k=64,
                                                 num_warps=8, swap=True, num_stages=3, split_k=1, programs_per_sm=2)),
-        "dequant": (8, LinearConfig(path="dequant")),
+        "dequant": (8, LinearConfig(kernel="dequant")),
     }
     BACKWARD = {
         "tuned-M1": (1, None), "tuned-M16": (16, None), "tuned-M300": (300, None),
-        "gemv": (4, LinearConfig(path="gemv", codebook=1)),
-        "gemm": (64, LinearConfig(path="gemm", block_m=64, block_n=128, block_k=128)),
-        "gemm-small": (37, LinearConfig(path="gemm", block_m=16, block_n=16, block_k=64, codebook=0)),
+        "gemv": (4, LinearConfig(kernel="gemv", codebook=1)),
+        "gemm": (64, LinearConfig(kernel="gemm", block_m=64, block_n=128, block_k=128)),
+        "gemm-small": (37, LinearConfig(kernel="gemm", block_m=16, block_n=16, block_k=64, codebook=0)),
     }
 
 CUDA = "cuda"
@@ -105,10 +106,10 @@ def _backward_all(lin, packed, qs, dtype, name, seed):
     m, config = BACKWARD[name]
     n, k = qs.shape
     wd = lin.operand(packed, qs, dtype)
-    w = _weight(packed, qs)
+    w = entry_of(packed, qs)
     perm = lin.permutation(n, seed)
     dy, scales = lin.identity_rows(perm, dtype, n, seed + 1, device=CUDA)
-    got = torch.cat([run(dy[i:i + m], packed, w, None, trans=True, config=config) for i in range(0, n, m)])
+    got = torch.cat([run(dy[i:i + m], packed, qs, w, None, trans=True, config=config) for i in range(0, n, m)])
     assert got.dtype == dtype and tuple(got.shape) == (n, k)
     assert_bitexact(got, lin.picked(wd, perm, scales, dtype), name=f"backward {name}")
 
@@ -125,7 +126,7 @@ def test_operand(nf4h, lin, shape, blocksize, dtype, double_quant):
     packed, qs = nf4h.quantize(shape, dtype, blocksize, double_quant, seed=seed, device=CUDA)
     for name in FORWARD:
         config = FORWARD[name][1]
-        if config is not None and config.mma and FORWARD[name][0] > 4 and (shape[1] // 2) % (
+        if config is not None and config.kernel == "gemv_mma" and FORWARD[name][0] > 4 and (shape[1] // 2) % (
                 4 * min(32, config.step_bytes, blocksize // 2)):
             continue  # rows not whole steps of this tensor-core config: its fallback, the codebook-0 GEMV at M > 4
         _forward_all(lin, packed, qs, dtype, name, seed)
@@ -144,19 +145,21 @@ def test_mma_gemv_is_what_runs(nf4h, dtype):
     """The gemv-mma configs above launch nf4_gemv_mma_kernel (not a fallback) on the shapes whose rows are a
     whole number of its steps, and fall back where they are not (K = 384 with 32-byte lanes) or where x is not
     16-byte aligned: to the word GEMV up to M = 4, to the codebook-0 GEMV above."""
-    from nf4.linear import api as linear_api
-    from nf4.linear.kernel import nf4_gemv_kernel, nf4_gemv_mma_kernel, nf4_gemv_table_kernel
+    from nf4.linear import launch as linear_launch
+    from nf4.linear.gemv import nf4_gemv_kernel
+    from nf4.linear.gemv_mma import nf4_gemv_mma_kernel
+    from nf4.linear.gemv_table import nf4_gemv_table_kernel
 
     def kernel(shape, name, x=None):
         m, config = FORWARD[name]
         packed, qs = nf4h.quantize(shape, dtype, 64, True, seed=nf4h.case_seed("gpu-mma-runs", shape), device=CUDA)
-        w = _weight(packed, qs)
+        w = NF4Weight.from_state(packed, qs)
         x = torch.zeros((m, shape[1]), dtype=dtype, device=CUDA) if x is None else x
         out = torch.empty((m, shape[0]), dtype=dtype, device=CUDA)
-        config = linear_api.launch_config(config, w, x, packed, m, False)
-        split, _ = linear_api.split_k(config, w, m, False, x.device)
+        config = linear_launch.launch_config(config, w, x, m, False)
+        split, _ = linear_launch.split_k(config, w, m, False, x.device)
         part = torch.empty(split * m * shape[0], dtype=torch.float32, device=CUDA)
-        return linear_api.kernel_args(x, packed, w, None, out, m, False, config, True, False, part)[0][0]
+        return linear_launch.kernel_args(x, w, None, out, m, False, config, True, False, part)[0][0]
 
     for shape in SHAPES[:3]:
         for name in ("gemv-mma-M1", "gemv-mma-M5", "gemv-mma-M8", "gemv-mma-M13", "gemv-mma-M19", "gemv-mma-M32",
@@ -207,16 +210,16 @@ def test_sum_within_bound(nf4h, lin, record_property, shape, dtype):
             record_property(f"{label}_nf4_ratio", ours)
             record_property(f"{label}_cublas_ratio", theirs)
             print(f"\n{label}: worst ratio nf4.linear {ours:.3g}, dense cuBLAS {theirs:.3g}")
-            if (config or tuned(torch.cuda.get_device_name(), x.shape[0], n=n, k=k)).path == "dequant":
+            if (config or tuned(torch.cuda.get_device_name(), x.shape[0], n=n, k=k)).kernel == "dequant":
                 # nf4.dequantize + cuBLAS: cuBLAS's own sum (which can exceed the float32 bound: 3.93 at
                 # 333x512 on an H100 with torch's default reduced-precision reductions), bit for bit
                 assert_bitexact(y, dense, name=label)
             else:
                 assert ours <= 1.0, f"{label}: {ours}"
-    w = _weight(packed, qs)
+    w = entry_of(packed, qs)
     for name, (m, config) in BACKWARD.items():
         dy = lin.randn((max(m, 1), n), dtype, seed + 100 + m, device=CUDA)
-        got = run(dy, packed, w, None, trans=True, config=config)
+        got = run(dy, packed, qs, w, None, trans=True, config=config)
         ours = worst_ratio(lin.np64(got[:rows]), lin.np64(dy[:rows]), lin.np64(wd.t()), dtype)
         theirs = worst_ratio(lin.np64((dy @ wd)[:rows]), lin.np64(dy[:rows]), lin.np64(wd.t()), dtype)
         record_property(f"backward-{name}_nf4_ratio", ours)

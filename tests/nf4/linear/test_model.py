@@ -20,8 +20,11 @@ from triton.runtime.interpreter import InterpretedFunction
 import nf4
 from nf4.linear import LinearConfig
 from nf4.linear import api as linear_api
-from nf4.linear.config import tuned
-from nf4.linear.kernel import nf4_gemv_kernel
+from nf4.linear import launch as linear_launch
+from nf4.linear.gemv import nf4_gemv_kernel
+from nf4.linear.gemv_table import nf4_gemv_table_kernel
+from nf4.linear.tuned import tuned
+from nf4.weight import NF4Weight
 from reference.linear import fma_float32, gemv_model
 from verify.exact import assert_bitexact
 
@@ -128,20 +131,21 @@ def test_gemv_matches_model(nf4h, lin, blocksize, dtype):
     w_dtype = (torch.float16, torch.bfloat16, torch.float32)[sorted(SHAPES).index(blocksize) % 3]
     seed = nf4h.case_seed("model", blocksize, dtype)
     packed, qs = nf4h.quantize((45, k), w_dtype, blocksize, blocksize != 128, seed=seed)
-    w = linear_api._weight(packed, qs)
+    w = NF4Weight.from_state(packed, qs)
+    entry = linear_api.entry_of(packed, qs)
     wd = lin.operand(packed, qs, dtype)
     differs = 0
     for m, split_k in ((1, 1), (2, 2), (3, 3), (4, 0)):
         step = STEPS[(m + sorted(SHAPES).index(blocksize)) % len(STEPS)]
-        config = LinearConfig(path="gemv", split_k=split_k, step_bytes=step, block_r=8 if m == 2 else 32)
-        split, seg = linear_api.split_k(config, w, m, False, torch.device("cpu"))
+        config = LinearConfig(kernel="gemv", split_k=split_k, step_bytes=step, block_r=8 if m == 2 else 32)
+        split, seg = linear_launch.split_k(config, w, m, False, torch.device("cpu"))
         half = min(blocksize // 2, step)
         assert seg % half == 0 and split == -(-(k // 2) // seg)
         random_x = lin.randn((m, k), dtype, seed + m)
         random_bias = lin.randn((45,), dtype, seed + 10 + m) if m % 2 else None
         cases = {"random": (random_x, random_bias), "cancelling": lin.cancelling(wd, m, dtype, seed + m)}
         for label, (x, bias) in cases.items():
-            got = linear_api.run(x, packed, w, bias, config=config)
+            got = linear_api.run(x, packed, qs, entry, bias, config=config)
             want = _model(lin, x, wd, bias, half, seg, dtype)
             name = f"M={m} split={split} seg={seg} half={half} bias={bias is not None} {label}"
             assert_bitexact(lin.bits16(got), _model_bits(want), name=name)
@@ -159,11 +163,11 @@ def test_public_call_matches_model(nf4h, lin, dtype):
     """nf4.linear with the tuned table (GEMV up to 4 rows in the interpreter; split 1) and leading
     dimensions, with bias: the model's bits."""
     packed, qs = nf4h.quantize((45, 256), dtype, 64, True, seed=nf4h.case_seed("model-public", dtype))
-    w = linear_api._weight(packed, qs)
+    w = NF4Weight.from_state(packed, qs)
     wd = lin.operand(packed, qs, dtype)
     config = tuned("", 4)  # the row nf4.linear takes for M <= 4 in the interpreter
-    assert config.path == "gemv"
-    _, seg = linear_api.split_k(config, w, 4, False, torch.device("cpu"))
+    assert config.kernel == "gemv"
+    _, seg = linear_launch.split_k(config, w, 4, False, torch.device("cpu"))
     half = min(64 // 2, config.step_bytes)
     x, bias = lin.cancelling(wd, 4, dtype, 9)
     got = nf4.linear(x.reshape(2, 2, 256), packed, qs, bias=bias)
@@ -175,26 +179,29 @@ def test_public_call_matches_model(nf4h, lin, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("blocksize", [32, 64, 128])
 def test_table_gemv_matches_word_model(nf4h, lin, blocksize, dtype):
-    """Codebook 3's word GEMV (nf4_gemv_table_kernel, interpreter fallback decode) against gemv_model(word=4)
-    at M = 1..4, split 1 / 2 / 3, with and without bias, random and cancelling x; the per-byte model
+    """The word GEMV (kernel "gemv_table": nf4_gemv_table_kernel, interpreter fallback decode) against
+    gemv_model(word=4) at M = 1..4, split 1 / 2 / 3, with and without bias, random and cancelling x; the per-byte model
     (word=1) differs from it somewhere, so the check can fail."""
     k = 4 * blocksize
     seed = nf4h.case_seed("model-table", blocksize, dtype)
     packed, qs = nf4h.quantize((45, k), dtype, blocksize, blocksize != 128, seed=seed)
-    w = linear_api._weight(packed, qs)
+    w = NF4Weight.from_state(packed, qs)
+    entry = linear_api.entry_of(packed, qs)
     wd = lin.operand(packed, qs, dtype)
     differs = 0
     for m, split_k in ((1, 1), (2, 2), (3, 3), (4, 2)):
-        config = LinearConfig(path="gemv", codebook=3, split_k=split_k, step_bytes=32, block_r=16)
-        split, seg = linear_api.split_k(config, w, m, False, torch.device("cpu"))
+        config = LinearConfig(kernel="gemv_table", split_k=split_k, step_bytes=32, block_r=16)
+        split, seg = linear_launch.split_k(config, w, m, False, torch.device("cpu"))
         half = min(blocksize // 2, 32)
-        assert linear_api.kernel_args(lin.randn((m, k), dtype, 0), packed, w, None, None, m, False, config, False,
-                                      True)[0][0] is linear_api.nf4_gemv_table_kernel
+        x0 = lin.randn((m, k), dtype, 0)
+        assert linear_launch.launch_config(config, w, x0, m, False) is config  # the word GEMV runs, no fallback
+        assert linear_launch.kernel_args(x0, w, None, None, m, False, config, False,
+                                         True)[0][0] is nf4_gemv_table_kernel
         bias = lin.randn((45,), dtype, seed + 10 + m) if m % 2 else None
         cases = {"random": (lin.randn((m, k), dtype, seed + m), bias),
                  "cancelling": lin.cancelling(wd, m, dtype, seed + m)}
         for label, (x, b) in cases.items():
-            got = linear_api.run(x, packed, w, b, config=config)
+            got = linear_api.run(x, packed, qs, entry, b, config=config)
             want = gemv_model(lin.np32(x), lin.np32(wd), half, seg, None if b is None else lin.np32(b),
                               lin.DT_NAME[dtype], word=4, lanes=4)
             assert_bitexact(lin.bits16(got), _model_bits(want), name=f"M={m} split={split} {label}")

@@ -19,8 +19,8 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 import nf4
-from nf4.linear.api import _weight, run
-from nf4.linear.kernel import nf4_gemv_kernel
+from nf4.linear.api import entry_of, run
+from nf4.linear.gemv import nf4_gemv_kernel
 from verify.exact import assert_bitexact
 
 pytestmark = pytest.mark.skipif(
@@ -52,15 +52,15 @@ def _case(i: int):
 
 def _check_forward(lin, packed, qs, x_dtype, config, seed, *, ftz=False, name=""):
     """Every weight through a permutation of K identity rows, and 1 and 3 rows at random columns."""
-    w = _weight(packed, qs)
+    w = entry_of(packed, qs)
     wt = lin.operand(packed, qs, x_dtype, ftz=ftz).t()  # [K, N]: row k holds column k of W
     k = w.K
-    # codebook 3's word GEMV takes at most 4 rows of x: all columns in chunks of 4 rows reach it
-    chunk = 4 if config is not None and config.codebook == 3 else k
+    # the word GEMV takes at most 4 rows of x: all columns in chunks of 4 rows reach it
+    chunk = 4 if config is not None and config.kernel == "gemv_table" else k
     for label, cols in (("all columns", lin.permutation(k, seed)), ("1 row", lin.columns(k, 1, seed + 1)),
                         ("3 rows", lin.columns(k, 3, seed + 2))):
         x, scales = lin.identity_rows(cols, x_dtype, k, seed + 3)
-        got = torch.cat([run(x[i:i + chunk], packed, w, None, config=config, ftz=ftz)
+        got = torch.cat([run(x[i:i + chunk], packed, qs, w, None, config=config, ftz=ftz)
                          for i in range(0, cols.numel(), chunk)])
         assert got.dtype == x_dtype and tuple(got.shape) == (cols.numel(), w.N)
         assert_bitexact(got, lin.picked(wt, cols, scales, x_dtype), name=f"{name} forward, {label}")
@@ -68,11 +68,11 @@ def _check_forward(lin, packed, qs, x_dtype, config, seed, *, ftz=False, name=""
 
 def _check_backward(lin, packed, qs, x_dtype, config, seed, *, ftz=False, name=""):
     """dY of N identity rows (a permutation) and 2 rows at random: dY @ W picks rows of W."""
-    w = _weight(packed, qs)
+    w = entry_of(packed, qs)
     wd = lin.operand(packed, qs, x_dtype, ftz=ftz)  # [N, K]
     for label, rows in (("all rows", lin.permutation(w.N, seed)), ("2 rows", lin.columns(w.N, 2, seed + 1))):
         dy, scales = lin.identity_rows(rows, x_dtype, w.N, seed + 3)
-        got = run(dy, packed, w, None, trans=True, config=config, ftz=ftz)
+        got = run(dy, packed, qs, w, None, trans=True, config=config, ftz=ftz)
         assert got.dtype == x_dtype and tuple(got.shape) == (rows.numel(), w.K)
         assert_bitexact(got, lin.picked(wd, rows, scales, x_dtype), name=f"{name} backward, {label}")
 
@@ -112,7 +112,7 @@ def test_dtypes_and_storage(nf4h, lin, x_dtype, w_dtype, double_quant, storage):
     seed = nf4h.case_seed("dtypes", x_dtype, w_dtype, double_quant, storage)
     packed, qs = nf4h.quantize((45, 128), w_dtype, 64, double_quant, seed=seed, quant_storage=storage)
     assert packed.dtype == storage and qs.dtype == w_dtype
-    w = _weight(packed, qs)
+    w = entry_of(packed, qs)
     wt = lin.operand(packed, qs, x_dtype)
     for m in (2, 33):
         cols = lin.columns(128, m, seed + m)
@@ -125,12 +125,12 @@ def test_dtypes_and_storage(nf4h, lin, x_dtype, w_dtype, double_quant, storage):
 def test_unsigned_identity(nf4h, lin):
     """The plainest form, x = I (K rows) and x = 4 I, through every forward config."""
     packed, qs = nf4h.quantize((33, 64), torch.bfloat16, 32, True, seed=nf4h.case_seed("plain-identity"))
-    w = _weight(packed, qs)
+    w = entry_of(packed, qs)
     wd = lin.operand(packed, qs, torch.bfloat16)
     eye = torch.eye(64, dtype=torch.bfloat16)
     for name, config in lin.FORWARD.items():
         for scale in (1.0, 4.0):
-            got = run(eye * scale, packed, w, None, config=config)
+            got = run(eye * scale, packed, qs, w, None, config=config)
             assert_bitexact(got, (wd.t().float() * scale + 0.0).to(torch.bfloat16), name=f"{name} x {scale}")
 
 
@@ -186,7 +186,7 @@ def test_subnormal_bf16_activations(nf4h, lin, path):
     """Identity rows scaled into bfloat16's subnormals (2**-130, -2**-128, 3 * 2**-133): each output is
     one float32 product rounded once, then rounded to bfloat16."""
     packed, qs = nf4h.quantize((40, 128), torch.bfloat16, 64, True, seed=nf4h.case_seed("subnormal-x", path))
-    w = _weight(packed, qs)
+    w = entry_of(packed, qs)
     wd = lin.operand(packed, qs, torch.bfloat16)
     backward = path.endswith("backward")
     width = w.N if backward else w.K
@@ -196,5 +196,5 @@ def test_subnormal_bf16_activations(nf4h, lin, path):
     x[torch.arange(3), cols] = scales.to(torch.bfloat16)
     assert torch.equal(x[torch.arange(3), cols].float(), scales)  # exact bfloat16 subnormals
     config = lin.FORWARD[path.removesuffix("-backward")]
-    got = run(x, packed, w, None, trans=backward, config=config)
+    got = run(x, packed, qs, w, None, trans=backward, config=config)
     assert_bitexact(got, lin.picked(wd if backward else wd.t(), cols, scales, torch.bfloat16), name=path)

@@ -18,7 +18,7 @@ from triton.runtime.interpreter import InterpretedFunction
 import nf4
 from nf4.linear import LinearConfig
 from nf4.linear import api as linear_api
-from nf4.linear.kernel import nf4_gemv_kernel
+from nf4.linear.gemv import nf4_gemv_kernel
 from verify.exact import assert_bitexact
 
 INTERPRETED = isinstance(nf4_gemv_kernel, InterpretedFunction)
@@ -34,11 +34,11 @@ N, K = 37, 128
 
 @pytest.fixture
 def full_calls():
-    """The full path's entries (calls of its first check, `_unpack_module`, from `nf4.linear` itself: nf4.dequantize
+    """The full path's entries (calls of its first check, `nf4.weight.unpack`, from `nf4.linear` itself: nf4.dequantize
     calls it too, where the table takes nf4.dequantize + cuBLAS), seen by a profile hook (on this thread, where the
     forward runs)."""
     calls = []
-    code, caller = linear_api._unpack_module.__code__, linear_api.linear.__code__
+    code, caller = linear_api.unpack.__code__, linear_api.linear.__code__
 
     def hook(frame, event, arg):
         if event == "call" and frame.f_code is code and frame.f_back is not None and frame.f_back.f_code is caller:
@@ -175,13 +175,13 @@ def test_a_freed_weight_is_not_kept_alive(nf4h, lin):
     p = _params4bit(nf4h, nf4h.case_seed("freed"))
     for _ in range(3):
         torch.autograd.grad(nf4.linear(x, p).sum(), x)  # (no x.grad kept: memory is compared below)
-    key = id(p.quant_state)
-    assert key in linear_api._weights
-    param, state = weakref.ref(p), weakref.ref(p.quant_state)
-    del p
+    entry = linear_api.CACHE.peek(p.quant_state)
+    assert entry is not None and linear_api.CACHE.get(p.quant_state, p) is entry
+    param, state, kept = weakref.ref(p), weakref.ref(p.quant_state), weakref.ref(entry)
+    del p, entry
     gc.collect()
     assert param() is None and state() is None
-    assert key not in linear_api._weights
+    assert kept() is None, "the cache entry outlived its QuantState"
     if DEVICE == "cuda":
         assert torch.cuda.memory_allocated() == before, "the packed weight's bytes are still allocated"
 
@@ -192,7 +192,7 @@ def test_dequant_path_one_dimensional_x(nf4h, lin, grad, with_bias):
     """A 1-D x on the dequant path: the repeat calls pass it to cuBLAS as it is (no 2-D view), and F.linear and
     matmul take a 1-D x as the one-row product the first call's 2-D view gave: every call equals F.linear on
     nf4.dequantize's weight for that row, bit for bit, and the backward's dY @ W picks W's row exactly."""
-    dequant = LinearConfig(path="dequant")
+    dequant = LinearConfig(kernel="dequant")
     packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("dequant-1d", grad, with_bias),
                                device=DEVICE)
     wd = nf4.dequantize(packed, qs)
@@ -211,8 +211,8 @@ def test_dequant_path_one_dimensional_x(nf4h, lin, grad, with_bias):
             y.backward(dy)
             assert_bitexact(xi.grad, wd[row], name=f"x.grad of call {i}")
     ftz = DEVICE == "cuda"
-    w = linear_api._weights[id(qs)]
-    assert w.launches.get((1, torch.bfloat16, with_bias, False, dequant, ftz)) is linear_api._DEQUANT
+    w = linear_api.CACHE.get(qs, packed)
+    assert w is not None and w.launches.get((1, torch.bfloat16, with_bias, False, dequant, ftz)) is linear_api._DEQUANT
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
@@ -220,7 +220,7 @@ def test_dequant_path_remembered_per_key(nf4h, lin, grad):
     """Where the config (the table's, or here the caller's) takes nf4.dequantize + cuBLAS, the key is marked once and
     later calls go there without choosing again: the same bits as F.linear on nf4.dequantize's weight, and the
     backward's dY @ W likewise."""
-    dequant = LinearConfig(path="dequant")
+    dequant = LinearConfig(kernel="dequant")
     packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=nf4h.case_seed("dequant-key", grad),
                                device=DEVICE)
     wd = nf4.dequantize(packed, qs)
@@ -237,6 +237,7 @@ def test_dequant_path_remembered_per_key(nf4h, lin, grad):
             assert_bitexact(xi.grad.reshape(12, K), lin.picked(wd, rows, dscales, torch.bfloat16),
                             name=f"x.grad of call {i}")
         if i == 0:
-            w = linear_api._weights[id(qs)]
+            w = linear_api.CACHE.get(qs, packed)
             ftz = DEVICE == "cuda"  # the device's default
+            assert w is not None
             assert w.launches.get((12, torch.bfloat16, True, False, dequant, ftz)) is linear_api._DEQUANT

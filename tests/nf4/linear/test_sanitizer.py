@@ -28,30 +28,32 @@ import torch
 import bitsandbytes.functional as F
 import nf4
 from nf4.linear import LinearConfig
-from nf4.linear.config import GEMV_MMA, GEMV_MMA_WK2, GEMV_TABLE
+from nf4.linear.tuned import GEMV_MMA_WK2, GEMV_TABLE
 from verify.exact import assert_bitexact
+
+# the tensor-core GEMV of 4 warps and 32-byte lanes (a preset the tuned table no longer names)
+GEMV_MMA = LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, step_bytes=32, programs_per_sm=12)
 
 torch.manual_seed(11)
 # (config, the largest M it takes here); None: the tuned rows (GEMV_MMA_WK to 2 (GEMV_MMA_WK4 on these short rows),
 # GEMV_MMA_WK16 to 8, GEMV_MMA16 to 16, GEMV_MMA32 to 32 on these small weights)
 configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
-           (LinearConfig(path="gemv", codebook=3, mma=True, block_r=32, num_warps=2, step_bytes=16, split_k=3), 32),
+           (LinearConfig(kernel="gemv_mma", block_r=32, num_warps=2, step_bytes=16, split_k=3), 32),
            # warps that split K inside a program (their sums through shared memory; steps past the range read zeros)
            (GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1), 4),
-           (LinearConfig(path="gemv", codebook=3, mma=True, block_r=16, num_warps=8, warps_k=8, step_bytes=16,
-                         split_k=2), 32),
+           (LinearConfig(kernel="gemv_mma", block_r=16, num_warps=8, warps_k=8, step_bytes=16, split_k=2), 32),
            # 16 warps in 8 pairs that split K (GEMV_MMA_WK2, 14336x4096's row at M <= 4): 128 rows a program,
            # most of them past these weights' last row
            (GEMV_MMA_WK2, 4),
            # the word tl.dot kernel (unmasked word loads from rows clamped to the weight), alone and split-K 3
-           (LinearConfig(path="gemm", codebook=3, block_m=32, block_n=128, swap=True, num_stages=3, split_k=1), 32),
-           (LinearConfig(path="gemm", codebook=3, block_m=16, block_n=128, swap=True, num_stages=3, split_k=3), 32),
+           (LinearConfig(kernel="gemm_word", block_m=32, block_n=128, swap=True, num_stages=3, split_k=1), 32),
+           (LinearConfig(kernel="gemm_word", block_m=16, block_n=128, swap=True, num_stages=3, split_k=3), 32),
            # 256 rows of x per tile over 8 warps (WORD_GEMM256's shape), split-K 2
-           (LinearConfig(path="gemm", codebook=3, block_m=256, block_n=128, num_warps=8, swap=True, num_stages=3,
+           (LinearConfig(kernel="gemm_word", block_m=256, block_n=128, num_warps=8, swap=True, num_stages=3,
                          split_k=2), 32),
            # 128 rows over 8 warps in one launch (WORD_GEMM128_W8's shape: its 16-bit store from the tl.dot loop
            # said to run at least once)
-           (LinearConfig(path="gemm", codebook=3, block_m=128, block_n=128, block_k=64, num_warps=8, swap=True,
+           (LinearConfig(kernel="gemm_word", block_m=128, block_n=128, block_k=64, num_warps=8, swap=True,
                          num_stages=3, split_k=1), 32)]
 n_checked = 0
 for n, k in ((45, 384), (333, 512)):

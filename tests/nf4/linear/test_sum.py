@@ -20,8 +20,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import nf4
 from nf4.linear import LinearConfig
-from nf4.linear.api import _weight, run
-from nf4.linear.kernel import nf4_gemv_kernel
+from nf4.linear.api import entry_of, run
+from nf4.linear.gemv import nf4_gemv_kernel
 from reference.linear import accumulation_bound, linear_float64, worst_ratio
 
 pytestmark = pytest.mark.skipif(
@@ -30,11 +30,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 CONFIGS = {
-    "gemv": (3, LinearConfig(path="gemv")),
-    "gemv-split3": (4, LinearConfig(path="gemv", split_k=3, step_bytes=16)),
-    "gemm": (40, LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64)),
-    "gemm-swap": (20, LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, swap=True)),
-    "gemm-word": (37, LinearConfig(path="gemm", block_m=16, block_n=32, block_k=64, swap=True, codebook=3, split_k=3)),
+    "gemv": (3, LinearConfig(kernel="gemv")),
+    "gemv-split3": (4, LinearConfig(kernel="gemv", split_k=3, step_bytes=16)),
+    "gemm": (40, LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64)),
+    "gemm-swap": (20, LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, swap=True)),
+    "gemm-word": (37, LinearConfig(kernel="gemm_word", block_m=16, block_n=32, block_k=64, swap=True, split_k=3)),
     "tuned-small": (2, None),
     "tuned": (33, None),
 }
@@ -85,7 +85,7 @@ def test_backward_within_bound(nf4h, lin, record_property, m, dtype):
     dense = worst_ratio(lin.np64(dy @ wd), lin.np64(dy), wt, dtype)
     _report(record_property, f"backward-autograd-M{m}-{lin.DT_SHORT[dtype]}", ours, dense)
     assert ours <= 1.0
-    gemv = run(dy, packed, _weight(packed, qs), None, trans=True, config=LinearConfig(path="gemv", block_r=16))
+    gemv = run(dy, packed, qs, entry_of(packed, qs), None, trans=True, config=LinearConfig(kernel="gemv", block_r=16))
     ours = worst_ratio(lin.np64(gemv), lin.np64(dy), wt, dtype)
     _report(record_property, f"backward-gemv-M{m}-{lin.DT_SHORT[dtype]}", ours, dense)
     assert ours <= 1.0

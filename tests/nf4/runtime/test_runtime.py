@@ -125,14 +125,15 @@ def test_bind_rebinds_named_slots_through_the_fallback_launcher(no_interpret):
     k = _Kernel()
     args = {"x_ptr": _Ptr(256), "out_ptr": _Ptr(512), "n": 100, "BLOCK": 64}
     compiled = runtime.launch(k, (5,), args, device=CUDA0)
-    bound = runtime.bind(compiled, k, (5,), args, ("out_ptr",), 0)
-    assert bound.native is False and bound.rebind == ("out_ptr",)
+    bound = runtime.bind(compiled, k, (5,), args, ("out_ptr",))
+    assert bound.rebind == ("out_ptr",) and bound.grid_x == 5
     bound(77, 4096)  # stream, then the new out_ptr
     assert compiled.log[-1] == ("run", (5, 1, 1, 77, 0xF00, ("meta",), None, None, None, 256, 4096, 100, 64))
-    both = runtime.bind(compiled, k, (5,), args, ("out_ptr", "x_ptr"), 0)
+    both = runtime.bind(compiled, k, (5,), args, ("out_ptr", "x_ptr"))
     both(78, 8192, 1024)
     assert compiled.log[-1][1][-4:] == (1024, 8192, 100, 64)
     with pytest.raises(KeyError, match="y_ptr"):
-        runtime.bind(compiled, k, (5,), args, ("y_ptr",), 0)
+        runtime.bind(compiled, k, (5,), args, ("y_ptr",))
     with pytest.raises(ValueError, match="1-D"):
-        runtime.bind(compiled, k, (5, 2), args, ("out_ptr",), 0)
+        runtime.bind(compiled, k, (5, 2), args, ("out_ptr",))
+
