@@ -91,7 +91,7 @@ def check_out(out, w: NF4Weight, out_dtype) -> None:
         raise ValueError(f"out is on {out.device}, expected {w.device} like the packed weight")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
-    if torch.compiler.is_compiling():  # (traced tensors have no addresses to compare)
+    if torch.compiler.is_compiling() or out.is_meta:  # (traced and meta tensors have no addresses to compare)
         return
     for name, t in (("the packed weight", w.packed), ("quant_state.absmax", w.absmax),
                     ("quant_state.state2.absmax", w.absmax2), ("quant_state.state2.code", w.code2),
