@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-from nf4 import DequantConfig
-from nf4.dequant import api as dequant_api
+from nf4 import DequantConfig, NF4Weight
+from nf4.dequant import launch as dequant_launch
 from verify import peers, timing
 from verify.cases import clone_state
 from verify.exact import mismatch_count as bitexact_count
@@ -144,8 +144,7 @@ def call_forms(case="4096x4096:bf16", calls=100) -> list[dict]:
     second row, made before the timed calls (a distinct view object per call); a weight at a new
     address on every call (as FSDP all-gathers it; rotating among copies); a new QuantState object
     every call (a shallow copy, whose cost every row includes; nf4's cache always misses); and, for
-nf4, the new-QuantState call with the plan cache turned off, and the miss paired with it (also with the
-first-call template on). Every
+nf4, the new-QuantState call with the plan cache turned off, and the miss paired with it. Every
     provider is checked bit-exact on the weight first.
     """
     import bitsandbytes as bnb
@@ -214,11 +213,9 @@ first-call template on). Every
     print(f"  host nf4 without plan cache {h['median_us']:6.1f} us (JIT launch {h['ref_median_us']:5.1f})", flush=True)
     # The cache miss against a call made without any cache, in alternating batches of their own (the two rows
     # above are each paired with a JIT launch, in batches minutes apart).
-    # By default (DequantConfig.first_call_template) the miss launches through a template bound per launch
-    # signature; the second row turns it off (Triton's launcher). Each result is checked first.
-    no_template = dequant_api.tuned_config(packed.device, packed.numel() * 4).with_(first_call_template=False)
-    for form, config in (("cache miss (new QuantState) paired with no cache", None),
-                         ("cache miss, first_call_template=False, paired with no cache", no_template)):
+    # The miss (a QuantState's first call notes the state only) launches through nf4.runtime.launch. The result is
+    # checked first.
+    for form, config in (("cache miss (new QuantState) paired with no cache", None),):
         bad = sum(bitexact_count(nf4.dequantize(packed, copy.copy(qs), config=config), expected) for _ in range(2))
         row = {"case": case, "provider": "nf4", "form": form, "mismatches": bad}
         if not bad:
@@ -252,35 +249,34 @@ def sweep(cases, copy_gbs, reps=60, grid=None):
         nbytes = timing.nf4_bytes(n, 64, out_bytes)
         sets = make_weights(shape, dtype, copies=timing.rotation_count(nbytes))
         expected = peers.bnb_dequantize(*sets[0])
+        weights = [NF4Weight.of(p, q) for p, q in sets]  # checked once, outside the timed calls
         bf16_opts = [False]
         for (tile, warps, codebook, store_cm), bf16_bits in itertools.product(grid, bf16_opts):
             config = DequantConfig(tile_bytes=tile, num_warps=warps, codebook=codebook, evict_stream="evict_first",
                                    store_cm=store_cm, bf16_bits=bf16_bits)
 
-            def call(s, config=config):
-                return _launch_cfg(s[0], s[1], config)
+            def call(w, config=config):
+                return _launch_cfg(w, config)
 
             row = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "tile_bytes": tile,
                    "num_warps": warps, "codebook": codebook, "evict_stream": "evict_first", "store_cm": store_cm,
                    "bf16_bits": bf16_bits}
-            row["mismatches"] = bitexact_count(call(sets[0]), expected)
+            row["mismatches"] = bitexact_count(call(weights[0]), expected)
             if row["mismatches"] == 0:
-                t = timing.device_time_us(call, sets, reps=reps)
+                t = timing.device_time_us(call, weights, reps=reps)
                 row["device_us"] = t["median_us"]
                 row["pct_copy"] = 100 * nbytes / (t["median_us"] * 1e-6) / 1e9 / copy_gbs
             rows.append(row)
             print(f"  sweep {row}", flush=True)
-        del sets, expected
+        del sets, weights, expected
         torch.cuda.empty_cache()
     return rows
 
 
-def _launch_cfg(packed, qs, config: DequantConfig):
-    s2 = qs.state2
-    out = torch.empty(qs.shape, dtype=qs.dtype, device=packed.device)
-    n = math.prod(qs.shape)
-    dequant_api.launch(packed, qs.absmax, s2.absmax, s2.code, qs.offset, out, n, qs.blocksize, True, True,
-                       config=config)
+def _launch_cfg(w: NF4Weight, config: DequantConfig):
+    """nf4's launch of a checked weight with `config`, ftz on (no checks in the timed call)."""
+    out = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    dequant_launch.launch(w, out, True, config)
     return out
 
 

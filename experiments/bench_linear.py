@@ -29,8 +29,9 @@ import time
 
 import torch
 
+from nf4 import runtime
 from nf4.linear import LinearConfig
-from nf4.linear import api as linear_api
+from nf4.linear import tuned as linear_tuned
 from verify import timing
 from verify.cases import clone_state
 from verify.timing import empty_jit_launch
@@ -40,16 +41,19 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 NOMINAL_TFLOPS = 989.4  # NVIDIA's dense bf16/fp16 tensor-core figure for the H100 SXM and the H200
 HOST_MS = (1, 512)
+# a kernel's family, the `path` of result rows (paper.sections.linear groups the table's choices by it)
+PATHS = {"gemv": "gemv", "gemv_table": "gemv", "gemv_mma": "gemv", "gemm": "gemm", "gemm_word": "gemm",
+         "dequant": "dequant"}
 
 # (block_r, warps, codebook, programs_per_sm); 32 bytes per row and step (half the blocksize of 64)
 GEMV_GRID = [(32, 2, 2, 16), (64, 4, 2, 8), (64, 4, 2, 4), (32, 2, 2, 8), (16, 1, 2, 16), (128, 4, 2, 4),
              (64, 2, 2, 8), (32, 2, 0, 16), (64, 4, 0, 8),
-             # codebook 3: the word GEMV with a product table per absmax block (M <= 4)
+             # codebook 3: the word GEMV with a product table per absmax block (kernel gemv_table, M <= 4)
              (256, 2, 3, 16), (256, 2, 3, 8), (128, 2, 3, 16), (128, 1, 3, 16), (256, 4, 3, 8), (64, 2, 3, 16),
              (512, 4, 3, 8), (128, 2, 3, 8)]
-# codebook 3 on tensor cores (mma.sync, M <= 32): (warps, bytes a lane decodes of each of its rows per step,
-# programs_per_sm); block_r is 16 * warps. At 76 registers (32-byte lanes) an H100 holds 6 programs of 4 warps
-# per multiprocessor, 12 of 2 and 3 of 8 (offline sm_90 build); 16-byte lanes take 68.
+# the word GEMV on tensor cores (kernel gemv_mma, mma.sync, M <= 32): (warps, bytes a lane decodes of each of its
+# rows per step, programs_per_sm); block_r is 16 * warps. At 76 registers (32-byte lanes) an H100 holds 6 programs
+# of 4 warps per multiprocessor, 12 of 2 and 3 of 8 (offline sm_90 build); 16-byte lanes take 68.
 MMA_GRID = [(2, 32, 12), (4, 32, 6), (8, 32, 3), (2, 16, 14), (4, 16, 7), (4, 32, 4), (4, 32, 12), (2, 32, 6),
             (4, 32, 3), (4, 16, 3), (4, 32, 2), (2, 16, 6), (8, 16, 2)]  # the last four: fewer programs for M > 8
 # (104 registers at 9-16 rows, 138 at 17-32)
@@ -68,7 +72,7 @@ GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128,
              (128, 128, 64, 8, 1, False, 2), (128, 128, 64, 8, 1, False, 0), (128, 256, 64, 8, 1, False, 2),
              (128, 128, 64, 4, 1, False, 2), (128, 64, 64, 4, 1, False, 2), (64, 256, 64, 8, 1, False, 2)]
 
-# The word tl.dot kernel (codebook 3: nf4_gemm_word_kernel, forward only):
+# The word tl.dot kernel (kernel gemm_word: nf4_gemm_word_kernel, forward only):
 # (block_m, block_n, warps, stages, split_k, programs_per_sm); the decoded tile is tl.dot's first operand (swap; the
 # unswapped form is l42, not in this grid: Triton 3.9's offline sm_90 build stores its tile to shared memory 2 bytes
 # at a time); block_n is 32 rows per warp (a thread decodes one row's step); split_k 0: the split nearest
@@ -88,14 +92,15 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
     tl.dot tiles whose BLOCK_M suits M."""
     out = []
     if m <= 8 and not backward:
-        out += [LinearConfig(path="gemv", block_r=r, num_warps=w, codebook=cb, programs_per_sm=p)
+        out += [LinearConfig(kernel="gemv", block_r=r, num_warps=w, codebook=cb, programs_per_sm=p) if cb < 3
+                else LinearConfig(kernel="gemv_table", block_r=r, num_warps=w, programs_per_sm=p)
                 for r, w, cb, p in GEMV_GRID]
     if m <= 32 and not backward:
-        out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w, num_warps=w, step_bytes=sb,
+        out += [LinearConfig(kernel="gemv_mma", block_r=16 * w, num_warps=w, step_bytes=sb,
                              programs_per_sm=p) for w, sb, p in MMA_GRID]
-        out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w // wk, num_warps=w, warps_k=wk,
+        out += [LinearConfig(kernel="gemv_mma", block_r=16 * w // wk, num_warps=w, warps_k=wk,
                              step_bytes=sb, split_k=sk, programs_per_sm=p) for w, wk, sb, sk, p in MMA_WK_GRID]
-        out += [LinearConfig(path="gemv", codebook=3, mma=True, block_r=16 * w // wk, num_warps=w, warps_k=wk,
+        out += [LinearConfig(kernel="gemv_mma", block_r=16 * w // wk, num_warps=w, warps_k=wk,
                              step_bytes=sb, split_k=sk, programs_per_sm=p, maxnreg=WK_MAXNREG)
                 for w, wk, sb, sk, p in MMA_WK_REG_GRID]
     top = max(16, triton_next_pow2(m))
@@ -103,24 +108,24 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
         if backward and swap:
             continue
         if bm <= top and (m <= 64 or bm >= 64):
-            out.append(LinearConfig(path="gemm", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
+            out.append(LinearConfig(kernel="gemm", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
                                     swap=swap, codebook=cb))
     if not backward:
-        out += [LinearConfig(path="gemm", codebook=3, block_m=bm, block_n=bn, block_k=64, num_warps=w, num_stages=st,
+        out += [LinearConfig(kernel="gemm_word", block_m=bm, block_n=bn, block_k=64, num_warps=w, num_stages=st,
                              swap=True, split_k=sk, programs_per_sm=pps) for bm, bn, w, st, sk, pps in WORD_GRID
                 if bm <= top and (m <= 64 or bm >= 64) and (m <= 128 or sk <= 2)]
-        out.append(LinearConfig(path="dequant"))  # nf4.dequantize + cuBLAS, what the fused tiles must beat
+        out.append(LinearConfig(kernel="dequant"))  # nf4.dequantize + cuBLAS, what the fused tiles must beat
     return out
 
 
 def _family(config: LinearConfig) -> str:
     """The --sweep-paths name of a config: gemv, mma (tensor-core GEMV), mma-wk (its warps splitting K; mma-wk-reg with
     its registers capped), gemm, wgemm (the word tl.dot kernel)."""
-    if config.path == "gemm" and config.codebook == 3:
+    if config.kernel == "gemm_word":
         return "wgemm"
-    if config.mma and config.warps_k > 1:
+    if config.kernel == "gemv_mma" and config.warps_k > 1:
         return "mma-wk-reg" if config.maxnreg is not None else "mma-wk"
-    return "mma" if config.mma else config.path
+    return "mma" if config.kernel == "gemv_mma" else PATHS[config.kernel]
 
 
 def triton_next_pow2(v: int) -> int:
@@ -294,7 +299,7 @@ def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=Fa
                                                  batches=9)
                     row["host_us"], row["jit_host_us"] = h["median_us"], h["ref_median_us"]
                 if name == "nf4.linear":
-                    row["config"] = _config_dict(linear_api.tuned(linear_api._device_name(xs[0].device), m, n=n, k=k))
+                    row["config"] = _config_dict(linear_tuned.tuned(runtime.device_name(xs[0].device), m, n=n, k=k))
             except Exception as exc:  # a peer that cannot take this case is reported, not fatal
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -323,18 +328,20 @@ def _rotating(fn, xs, sets, dense):
 
 
 def _config_dict(config: LinearConfig) -> dict:
+    """The config's fields, with `path` (the kernel's family: gemv, gemm or dequant), which the result files
+    carried before configs named their kernel and paper.sections.linear reads."""
     from dataclasses import asdict
 
-    return asdict(config)
+    return {**asdict(config), "path": PATHS[config.kernel]}
 
 
 def _sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward):
-    from nf4.linear.api import run, weight_state
+    from nf4.linear.api import entry_of, run
 
     row = dict(base, provider="nf4.linear.sweep", config=_config_dict(config))
     try:
         def fn(x, p, qs):
-            return run(x, p, weight_state(p, qs), None, config=config)
+            return run(x, p, qs, entry_of(p, qs), None, config=config)
 
         got = fn(xid, *sets[0])
         row["operand_mismatches"] = mismatches(got, want)
@@ -351,14 +358,14 @@ def _sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward):
 
 
 def _backward_row(base, config, dys, sets, wd, count, log):
-    from nf4.linear.api import run, weight_state
+    from nf4.linear.api import entry_of, run
 
     m, n, k = base["M"], base["N"], base["K"]
     row = dict(base, provider="nf4.linear.backward" + (".sweep" if config is not None else ""),
                config=_config_dict(config) if config is not None else None)
     try:
         def fn(dy, p, qs):
-            return run(dy, p, weight_state(p, qs), None, trans=True, config=config)
+            return run(dy, p, qs, entry_of(p, qs), None, trans=True, config=config)
 
         # operand: identity rows of dY pick rows of W
         g = torch.Generator().manual_seed(m + k)
@@ -391,11 +398,12 @@ def _fmt(r) -> str:
     cfg = r.get("config")
     c = ""
     if cfg:
-        c = (f" gemv r{cfg['block_r']} w{cfg['num_warps']} cb{cfg['codebook']} p{cfg['programs_per_sm']}"
-             + (f" wk{cfg['warps_k']} s{cfg['step_bytes']}" if cfg.get("mma") else "")
+        kernel = cfg["kernel"]
+        c = (f" {kernel} r{cfg['block_r']} w{cfg['num_warps']} cb{cfg['codebook']} p{cfg['programs_per_sm']}"
+             + (f" wk{cfg['warps_k']} s{cfg['step_bytes']}" if kernel == "gemv_mma" else "")
              + (f" reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
              if cfg["path"] == "gemv" else
-             f" {cfg['path']} {cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} "
+             f" {kernel} {cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} "
              f"w{cfg['num_warps']} st{cfg['num_stages']}{' swap' if cfg.get('swap') else ''} cb{cfg['codebook']}")
     g = r.get("graph_us")
     return (f"{r['N']}x{r['K']} M={r['M']:<5} {r['dtype']:<8} {r['provider']:<34}{c:<28} "

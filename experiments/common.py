@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nf4 import DequantConfig, runtime
-from nf4.dequant import api as dequant_api
+from nf4 import DequantConfig, NF4Weight, runtime
+from nf4.dequant import launch as dequant_launch
 from nf4.device import absmax_of_block, high_nibble, low_nibble, mul, nf4_level, store_rounded, word_nibble_shift
 
 PRODUCTION = DequantConfig()  # the defaults variants compare against (bf16_bits, evict_stream, ...)
@@ -57,7 +57,7 @@ def state_of(packed: torch.Tensor, quant_state) -> State:
 
 def code_table(device: torch.device, codebook: int = 0) -> torch.Tensor:
     """The NF4 level table the production kernel reads on `device` (16 float32; 256 pairs for codebook 2)."""
-    return dequant_api.code_table(device, codebook)
+    return runtime.level_table(device, pairs=codebook == 2)
 
 
 def interpreting(t: torch.Tensor) -> bool:
@@ -144,12 +144,25 @@ def current_artifact_dir() -> str:
 def launch_production(packed, quant_state, out, ftz, **changes):
     """The production kernel through nf4's own launch (cached compiled launch): the tuned config for
     this weight, with the DequantConfig fields in `changes` changed (the experiment's one change)."""
-    s = state_of(packed, quant_state)
+    w = weight_of(packed, quant_state)
     config = None
     if changes:
-        config = dequant_api.tuned_config(out.device, s.n * out.element_size()).with_(**changes)
-    return dequant_api.launch(packed, s.absmax_u8, s.absmax2, s.code2, s.offset, out, s.n, s.blocksize, True, ftz,
-                              config=config)
+        config = dequant_launch.tuned_config(out.device, w.n * out.element_size()).with_(**changes)
+    return dequant_launch.launch(w, out, ftz, config)[0]
+
+
+def weight_of(packed: torch.Tensor, quant_state) -> NF4Weight:
+    """The double-quantized weight as nf4.dequant.launch takes it, with `state_of`'s checks only, not
+    nf4.dequantize's (the variants' inputs are well formed; v51 times the launch alone)."""
+    if not getattr(quant_state, "nested", False):
+        raise ValueError("the experiments need a double-quantized state (compress_statistics=True)")
+    shape = tuple(quant_state.shape)
+    if math.prod(shape) > 2**31 - 2**16:
+        raise ValueError(f"{math.prod(shape)} weights: the experiment kernels use 32-bit offsets (nf4.dequantize "
+                         "does not)")
+    s2 = quant_state.state2
+    return NF4Weight(packed, quant_state.absmax, s2.absmax, s2.code, quant_state.offset, shape, quant_state.blocksize,
+                     quant_state.dtype, True)
 
 
 @triton.jit

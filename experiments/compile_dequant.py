@@ -42,8 +42,7 @@ def _opaque(p, q, out=None):
     s2 = q.state2
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=p.device)
-    torch.ops.nf4.dequantize_opaque(p, q.absmax, s2.absmax, s2.code, q.offset, out, math.prod(q.shape),
-                                    q.blocksize, True, True)
+    torch.ops.nf4.dequantize_opaque(p, q.absmax, s2.absmax, s2.code, q.offset, out, q.blocksize, True)
     return out
 
 
@@ -63,7 +62,7 @@ def _into_buffer(fn):
 def providers() -> dict:
     """name -> (callable(packed, quant_state), compiled: bool). The `_out` rows pass a kept buffer as out=."""
     import nf4
-    import nf4.ops  # registers the ops
+    import nf4.dequant.ops  # registers the ops
 
     def dequantize(p, q, out=None):
         return nf4.dequantize(p, q, out=out)

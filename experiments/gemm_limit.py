@@ -49,10 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
+from nf4 import NF4Weight
 from nf4.device import absmax_of_block, product_table, table_pairs
-from nf4.linear import api as linear_api
 from nf4.linear import config as linear_config
-from nf4.linear.kernel import grouped, word_tile
+from nf4.linear import launch as linear_launch
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.common import grouped
+from nf4.linear.gemm_word import word_tile
 from verify import timing
 
 from .bench_linear import floors, make_weights, mismatches
@@ -79,7 +82,7 @@ PROBES = {"probe: lookup": (0, False, 0, False), "probe: lookup, M and SPLIT uns
 
 def config_for(m: int) -> linear_config.LinearConfig:
     """The word GEMM config the tuned table runs (or, past 256 rows, the one its sweeps ran) at M rows of x."""
-    return linear_config.WORD_GEMM128 if m <= 128 else linear_config.WORD_GEMM256
+    return linear_tuned.WORD_GEMM128 if m <= 128 else linear_tuned.WORD_GEMM256
 
 
 def _gemm_limit(x_ptr, packed_ptr, dense_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
@@ -204,28 +207,29 @@ def kernel_of(part: str):
     return gemm_limit_kernel_dynamic if PROBES[part][1] else gemm_limit_kernel
 
 
-def probe_args(x, packed, w, dense, out, config: linear_config.LinearConfig, part: str) -> tuple[tuple, dict, dict]:
+def probe_args(x, w, dense, out, config: linear_config.LinearConfig, part: str) -> tuple[tuple, dict, dict]:
     """(grid, kernel arguments, launch options) of a probe with the production launch's grid, tile and split, for
-    the validated weight `w` of the packed bytes (real tensors, or meta ones for an offline build)."""
+    the validated weight `w` (real tensors, or meta ones for an offline build)."""
     m = x.shape[0]
-    split, seg = linear_api.split_k(config, w, m, False, x.device)
+    n, k = w.shape
+    split, seg = linear_launch.split_k(config, w, m, False, x.device)
     dummy = torch.zeros(16, dtype=torch.float32, device=x.device)
     mode, _, epilogue, nonempty = PROBES[part]
-    args = {"x_ptr": x, "packed_ptr": packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
+    args = {"x_ptr": x, "packed_ptr": w.packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
             "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
             "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out,
-            "M": m, "N": w.N, "K": w.K, "KB": w.K // 2, "SPLIT": split, "SEG": seg,
+            "M": m, "N": n, "K": k, "KB": k // 2, "SPLIT": split, "SEG": seg,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
-            "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_api.gemm_block_k(config, w),
+            "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": linear_launch.gemm_block_k(config, w),
             "GROUP": config.group, "SWAP": config.swap, "EVICT": config.evict, "MODE": mode, "EPILOGUE": epilogue,
             "NONEMPTY": nonempty}
-    grid = (split * triton.cdiv(m, config.block_m) * triton.cdiv(w.N, config.block_n),)
+    grid = (split * triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     return grid, args, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def probe_call(x, packed, qs, dense, config: linear_config.LinearConfig, part: str):
     """A callable launching one probe (its float32 partial sums into a buffer of its own)."""
-    grid, args, options = probe_args(x, packed, linear_api.weight_state(packed, qs), dense, None, config, part)
+    grid, args, options = probe_args(x, NF4Weight.from_state(packed, qs), dense, None, config, part)
     kernel = kernel_of(part)
     args["out_ptr"] = torch.empty((args["SPLIT"], x.shape[0], args["N"]), dtype=torch.float32, device=x.device)
 
@@ -287,18 +291,18 @@ def sass_mix(n: int, k: int, m: int, dtype, arch: int) -> dict:
 
     config = config_for(m)
     meta = torch.device("meta")
-    w = linear_api.new_weight(n, k, 64, True, dtype, torch.empty(n * k // 64, dtype=torch.uint8, device=meta),
-                              torch.empty(-(-n * k // 64 // 256), device=meta), torch.empty(256, device=meta),
-                              torch.empty((), device=meta), meta)
-    x = torch.empty((m, k), dtype=dtype, device=meta)
     packed = torch.empty((n * k // 2, 1), dtype=torch.uint8, device=meta)
+    w = NF4Weight(packed, torch.empty(n * k // 64, dtype=torch.uint8, device=meta),
+                  torch.empty(-(-n * k // 64 // 256), device=meta), torch.empty(256, device=meta),
+                  torch.empty((), device=meta), (n, k), 64, dtype, True)
+    x = torch.empty((m, k), dtype=dtype, device=meta)
     dense = torch.empty((n, k), dtype=dtype, device=meta)
-    launches = linear_api.kernel_args(x, packed, w, None, torch.empty((m, n), dtype=dtype, device=meta), m, False,
-                                      config, True, False, torch.empty(1, device=meta))
+    launches = linear_launch.kernel_args(x, w, None, torch.empty((m, n), dtype=dtype, device=meta), m, False,
+                                         config, True, False, torch.empty(1, device=meta))
     fn, _, args, options = launches[0]
     builds = {"production": (fn, args, options)}
     for part in PROBES:
-        _, pargs, _ = probe_args(x, packed, w, dense, torch.empty(1, device=meta), config, part)
+        _, pargs, _ = probe_args(x, w, dense, torch.empty(1, device=meta), config, part)
         builds[part] = (kernel_of(part), pargs, options)
     out = {"arch": arch, "M": m, "N": n, "K": k, "config": str(config)}
     for part, (kernel, kargs, opts) in builds.items():

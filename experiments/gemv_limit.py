@@ -39,10 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
+from nf4 import NF4Weight
 from nf4.device import load_v4, product_table
-from nf4.linear import api as linear_api
 from nf4.linear import config as linear_config
-from nf4.linear.kernel import mma_absmax, mma_tile, mma_words
+from nf4.linear import launch as linear_launch
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.gemv_mma import mma_absmax, mma_tile, mma_words
 from verify import timing
 
 from .bench_linear import floors, make_weights, mismatches
@@ -95,7 +97,7 @@ def _products(a0, a1, a2, a3, b0, b1, b2, b3, xp, amax_a, amax_b, c0, c1, c2, c3
 def _fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE: tl.constexpr,
            DOUBLE_QUANT: tl.constexpr, FTZ: tl.constexpr, NSUB: tl.constexpr, STREAM: tl.constexpr,
            ABSMAX: tl.constexpr):
-    """nf4.linear.kernel.mma_fetch with its two switches: STREAM (the weight's words not kept in L1, as there) and
+    """nf4.linear.gemv_mma.mma_fetch with its two switches: STREAM (the weight's words not kept in L1, as there) and
     ABSMAX (read both rows' absmax through both levels, as there; else 1.0 without a read)."""
     a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = mma_words(wa, wb, j, NSUB, STREAM)
     if ABSMAX:
@@ -246,7 +248,8 @@ def _probe_args(x, packed, w, out, dummy, config: linear_config.LinearConfig, mo
     """gemv_limit_kernel's arguments (by name) and launch options for `config`'s lanes and warps."""
     args = {"x_ptr": x, "packed_ptr": packed, "absmax_ptr": w.absmax,
             "absmax2_ptr": w.absmax2 if w.nested else dummy, "code2_ptr": w.code2 if w.nested else dummy,
-            "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out, "zero_ptr": dummy, "N": w.N, "KB": w.K // 2,
+            "offset_ptr": w.offset if w.nested else dummy, "out_ptr": out, "zero_ptr": dummy, "N": w.shape[0],
+            "KB": w.shape[1] // 2,
             "BLOCKSIZE": w.blocksize, "DOUBLE_QUANT": w.nested, "FTZ": True, "X_DT": X_DT[x.dtype],
             "THREADS": 32 * config.num_warps, "HALF": min(w.blocksize // 2, config.step_bytes, 32),
             "WARPS_K": config.warps_k, **_BASE, **MODES[mode][0]}  # fmt: skip
@@ -257,8 +260,8 @@ def probe_launch(x, packed, qs, config: linear_config.LinearConfig, mode: str):
     """A callable launching gemv_limit_kernel in `mode` on (x, packed, qs) with `config`'s grid and lanes (as the
     part changes them)."""
     config = config.with_(**MODES[mode][1])
-    w = linear_api.weight_state(packed, qs)
-    programs = triton.cdiv(w.N, config.block_r)
+    w = NF4Weight.from_state(packed, qs)
+    programs = triton.cdiv(w.shape[0], config.block_r)
     out = torch.empty(programs * 32 * config.num_warps, dtype=torch.int32, device=x.device)
     dummy = torch.zeros(64, dtype=torch.float32, device=x.device)  # absent tensors; 256 bytes of zeros for x
     args, options = _probe_args(x, packed, w, out, dummy, config, mode)
@@ -336,12 +339,13 @@ def sass_mix(n: int, k: int, dtype, config: linear_config.LinearConfig, arch: in
     registers and the opcodes of its main loop (the block that branches back to itself), one step of one warp:
     16 rows x 4 * HALF packed bytes."""
     cpu = torch.device("cpu")
-    w = linear_api.new_weight(n, k, 64, True, dtype, torch.empty(16, dtype=torch.uint8), torch.empty(16),
-                              torch.empty(256), torch.empty(()), cpu)
-    x, packed = torch.empty((1, k), dtype=dtype), torch.empty(64, dtype=torch.uint8)
-    (fn, grid, args, options), *_ = linear_api.kernel_args(x, packed, w, None, torch.empty((1, n), dtype=dtype), 1,
-                                                           False, config, True, False, None,
-                                                           mma_check=lambda *a: True)
+    x, packed = torch.empty((1, k), dtype=dtype, device=cpu), torch.empty(64, dtype=torch.uint8, device=cpu)
+    # a stand-in weight (no bytes to read: the build needs dtypes and constexprs only); kernel_args launches the
+    # config's kernel as it is (nf4_gemv_mma_kernel), with no check that it could run here
+    w = NF4Weight(packed, torch.empty(16, dtype=torch.uint8), torch.empty(16), torch.empty(256), torch.empty(()),
+                  (n, k), 64, dtype, True)
+    (fn, grid, args, options), *_ = linear_launch.kernel_args(x, w, None, torch.empty((1, n), dtype=dtype), 1,
+                                                              False, config, True, False, None)
     out = {"arch": f"sm_{arch}", "weight": f"{n}x{k}", "dtype": str(dtype).removeprefix("torch."),
            "grid": list(grid), "loop_bytes_per_warp": 16 * 4 * args["HALF"],
            "production": {**_sass_of(fn, args, options, arch), "loop_bytes_per_warp": 16 * 4 * args["HALF"]}}
@@ -432,8 +436,8 @@ def main(argv=None) -> int:
         return rc
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     gpu = torch.cuda.is_available() and not args.sass_only
-    name = torch.cuda.get_device_name() if gpu else linear_config.DEFAULT_GPU
-    config = linear_config.tuned(name, 1)
+    name = torch.cuda.get_device_name() if gpu else linear_tuned.DEFAULT_GPU
+    config = linear_tuned.tuned(name, 1)
     if args.arch is None:
         cap = torch.cuda.get_device_capability() if gpu else (9, 0)
         args.arch = cap[0] * 10 + cap[1]

@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 import nf4
-from nf4 import DequantConfig
+from nf4 import DequantConfig, NF4Weight, runtime
 from nf4.dequant import api as dequant_api
+from nf4.dequant import launch as dequant_launch
 from nf4.device import absmax_of_block, mul, nf4_level, store_rounded, word_nibble_shift
-from nf4.runtime import native
 from verify import peers, timing
 from verify.exact import mismatch_count as bitexact_count
 from verify.timing import empty_jit_launch
@@ -171,7 +171,7 @@ def prefetch_lab(case, copy_gbs, reps=100) -> list[dict]:
 
     shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     n_words, n_bytes = n // 8, (n + 1) // 2
-    code = dequant_api.code_table(sets[0][0].device)
+    code = runtime.level_table(sets[0][0].device)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for r, warps, pf, per_sm in PF_GRID:
@@ -260,14 +260,15 @@ def pipe_lab(case, copy_gbs, reps=100) -> list[dict]:
 
     shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     n_words = n // 8
-    code = dequant_api.code_table(sets[0][0].device)
+    code = runtime.level_table(sets[0][0].device)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
 
+    weights = {id(q): NF4Weight.of(p, q) for p, q in sets}  # checked once, outside the timed calls
+
     def default(s):
-        p, q = s
         out = torch.empty(shape, dtype=dtype, device="cuda")
-        dequant_api.launch(p, q.absmax, q.state2.absmax, q.state2.code, q.offset, out, n, q.blocksize, True, True)
+        dequant_launch.launch(weights[id(s[1])], out, True)
         return out
 
     if bitexact_count(default(sets[0]), expected):
@@ -322,7 +323,7 @@ def layout_lab(case, copy_gbs, reps=100) -> list[dict]:
     shape, dtype, n, nbytes, sets, expected = _case_inputs(case)
     outs = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(2)]
     n_words = n // 8
-    code = dequant_api.code_table(sets[0][0].device)
+    code = runtime.level_table(sets[0][0].device)
     rows = []
 
     def add(name, us, **extra):
@@ -449,18 +450,17 @@ def host_parts(case="1024x1024:bf16") -> dict:
     buf = torch.empty(shp, dtype=dtype, device=dev)
     tmpl = torch.empty(0, dtype=dtype, device=dev)
 
-    tuned = dequant_api.tuned_config(dev, math.prod(shp) * buf.element_size())
+    tuned = dequant_launch.tuned_config(dev, math.prod(shp) * buf.element_size())
 
-    def plan_with(direct, own):
-        config = tuned.with_(direct_launch=direct, native_launch=own)
-        dequant_api.forget_plan(q)
+    def plan_with(direct):
+        config = tuned.with_(direct_launch=direct)
+        dequant_api.CACHE.forget(q)
         nf4.dequantize(p, q, config=config)
-        nf4.dequantize(p, q, config=config)  # the plan is made on the second full-path call
-        return dequant_api.cached_plan(q)
+        nf4.dequantize(p, q, config=config)  # the plan (the bound launch) is made on the second full-path call
+        return dequant_api.CACHE.peek(q)
 
-    wrapper, direct, own = plan_with(False, False), plan_with(True, False), plan_with(True, True)
-    ptr = p.data_ptr()
-    dequant_api.forget_plan(q)
+    wrapper, direct = plan_with(False), plan_with(True)
+    dequant_api.CACHE.forget(q)
     nf4.dequantize(p, q)
     nf4.dequantize(p, q)  # the plan of a call without a config stays for the nf4.dequantize rows
     parts = {
@@ -468,24 +468,21 @@ def host_parts(case="1024x1024:bf16") -> dict:
         "driver cuLaunchKernel of an empty kernel (ctypes)": _driver_launch(),
         "python call of a no-op": lambda _: _noop(p, q),
         "torch.compiler.is_compiling()": lambda _: torch.compiler.is_compiling(),
-        "plan lookup + match": lambda _: (plan := dequant_api.cached_plan(q)).matches(q) and plan.packed_ptr(p),
+        "plan lookup + match": lambda _: dequant_api.CACHE.get(q, p),
         "torch.empty(shape, dtype=, device=)": lambda _: torch.empty(shp, dtype=dtype, device=dev),
         "torch.empty(shape, dtype=, device=index)": lambda _: torch.empty(shp, dtype=dtype, device=idx),
         "Tensor.new_empty(shape)": lambda _: tmpl.new_empty(shp),
         "current raw stream": lambda _: torch._C._cuda_getCurrentRawStream(idx),
-        "plan.run(out) via CompiledKernel.run": lambda _: wrapper.run(ptr, False, buf),
-        "plan.run(out) via the C launch function": lambda _: direct.run(ptr, False, buf),
-        "plan.run() via the C launch function": lambda _: direct.run(ptr, False),
-        "plan.run(out) via nf4's own launch function": lambda _: own.run(ptr, False, buf),
-        "plan.run() via nf4's own launch function": lambda _: own.run(ptr, False),
+        "plan.run(out) via CompiledKernel.run": lambda _: wrapper.run(p, buf),
+        "plan.run(out) via the C launch function": lambda _: direct.run(p, buf),
+        "plan.run() via the C launch function": lambda _: direct.run(p, None),
         "nf4.dequantize(p, q, out=buf)": lambda _: nf4.dequantize(p, q, out=buf),
         "nf4.dequantize(p, q)": lambda _: nf4.dequantize(p, q),
     }
     for fn in parts.values():  # warm every path once (compiles the empty kernel)
         fn(None)
     torch.cuda.synchronize()
-    result = {"case": case, "direct_launch_used": direct.bound.ctx[0] is not wrapper.bound.ctx[0],
-              "own_launch_used": bool(own.bound.native), "own_launch_build_error": native.build_error}
+    result = {"case": case, "direct_launch_used": direct.bound.ctx[0] is not wrapper.bound.ctx[0]}
     result["us"] = {name: _host(fn) for name, fn in parts.items()}
     # Second pass in reverse order: the spread between the passes shows the noise.
     result["us_second_pass"] = {name: _host(parts[name]) for name in reversed(parts)}
@@ -546,7 +543,7 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
 
         add(f"nf4's stores only: {tile} words, {warps} warps, cache '{cm}'", _device_us(store_call, outs, reps))
 
-    tuned = dequant_api.tuned_config(torch.device("cuda", torch.cuda.current_device()), n * out_bytes)
+    tuned = dequant_launch.tuned_config(torch.device("cuda", torch.cuda.current_device()), n * out_bytes)
     tile_words, warps = tuned.tile_bytes // 4, tuned.num_warps
     row = min(tile_words, 32 * warps)
 
@@ -559,14 +556,14 @@ def device_parts(case, copy_gbs, reps=100, grid=None) -> list[dict]:
     add("same loads/stores, no dequantization", _device_us(floor_call, sets, reps))
     flush = torch.empty(timing.L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda").zero_()
 
+    weights = {id(q): NF4Weight.of(p, q) for p, q in sets}  # checked once, outside the timed calls
+
     def cfg_call(tile, warps, per_sm):
         def call(s):
             p, q = s
-            s2 = q.state2
             out = torch.empty(q.shape, dtype=q.dtype, device=p.device)
             config = None if tile is None else DequantConfig(tile_bytes=tile, num_warps=warps, programs_per_sm=per_sm)
-            dequant_api.launch(p, q.absmax, s2.absmax, s2.code, q.offset, out, n, q.blocksize, True, True,
-                               config=config)
+            dequant_launch.launch(weights[id(q)], out, True, config)
             return out
         return call
 

@@ -27,7 +27,7 @@ Modes (--modes; each is a context the same model runs in, interleaved with the o
   bnb        bitsandbytes alone;
   nf4        inside `nf4.patched_bitsandbytes()`: bitsandbytes' NF4 dequantization through nf4 (bit-identical);
   nf4_fused  inside `nf4.patched_bitsandbytes(fused_linear=True)`: also `matmul_4bit` up to the GPU's route limit
-             (nf4.linear.config.ROUTE_MATMUL_4BIT_MAX_M) to nf4.linear, in training too (not bit-identical to
+             (nf4.integrations.routes.ROUTE_MATMUL_4BIT_MAX_M) to nf4.linear, in training too (not bit-identical to
              bitsandbytes where nf4.linear runs a fused kernel: M <= 128);
   no_matmul  a bound, not an implementation: `matmul_4bit` replaced by an op that allocates its output (and its
              input's gradient) and launches no kernel, so its time is what the step would take with a 4-bit linear
@@ -703,7 +703,7 @@ def dense_context(counts=None, dequantize=None):
 
 def mode_text(mode: str, device_name: str) -> str:
     """MODE_TEXT[mode], the fused route's row limit on this GPU filled in."""
-    from nf4.linear.config import matmul_4bit_route_max_m
+    from nf4.integrations.routes import matmul_4bit_route_max_m
 
     return MODE_TEXT[mode].format(max_m=matmul_4bit_route_max_m(device_name))
 

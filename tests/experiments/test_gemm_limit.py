@@ -11,7 +11,7 @@ import sys
 
 from experiments.gemm_limit import PROBES, config_for
 from experiments.gemv_limit import wgmma_serialized, wgmma_waits
-from nf4.linear import config as linear_config
+from nf4.linear import tuned as linear_tuned
 
 _SASS = """
         /*0000*/                   WARPGROUP.ARRIVE ;
@@ -48,10 +48,10 @@ def test_wgmma_serialized_reads_the_reason_of_ptxas_note():
 
 
 def test_config_per_m_is_the_word_gemm_the_table_runs():
-    assert config_for(1) is config_for(128) is linear_config.WORD_GEMM128
-    assert config_for(129) is config_for(1024) is linear_config.WORD_GEMM256
-    assert dict(linear_config.TUNED["H100"]["forward"])[128] is linear_config.WORD_GEMM128
-    assert dict(linear_config.TUNED["H100"]["forward"])[256] is linear_config.WORD_GEMM256
+    assert config_for(1) is config_for(128) is linear_tuned.WORD_GEMM128
+    assert config_for(129) is config_for(1024) is linear_tuned.WORD_GEMM256
+    assert dict(linear_tuned.TUNED["H100"]["forward"])[128] is linear_tuned.WORD_GEMM128
+    assert dict(linear_tuned.TUNED["H100"]["forward"])[256] is linear_tuned.WORD_GEMM256
 
 
 def test_sass_counts_follow_from_the_kernels(tmp_path):

@@ -7,12 +7,12 @@
   buffer, with `scales * W[:, cols] + 0.0` (backward: `scales * W[rows, :] + 0.0`) from
   `reference.dequantize_nf4(ftz=True)`.
 - The check has teeth: a wrong element, an unwritten element and a -0.0 for +0.0 are caught.
-- The word GEMV variants (codebook 3, l06-l08) launch nf4_gemv_table_kernel on every slice of x (the
+- The word GEMV variants (kernel "gemv_table", l06-l08) launch nf4_gemv_table_kernel on every slice of x (the
   launches recorded), and refuse a product where nf4.linear would take the codebook-0 GEMV instead.
 - The tensor-core word GEMV variants (l30-l36) are GPU only (listed as skipped by the interpreter run);
   they refuse the fallback nf4.linear would launch (their launches on a GPU: results/linear/
   experiments_gpu_*.json), and their auto split-K is auto_split's.
-- Offline sm_75: the production variant (the GEMV with a T4's auto split-K, `nf4.linear.api.auto_split`)
+- Offline sm_75: the production variant (the GEMV with a T4's auto split-K, `nf4.linear.launch.auto_split`)
   and the split-K GEMV with its ordered sum (l05) build in fp16 and bf16 without spills; the tl.dot
   kernel builds in both dtypes as float32 FMAs (Triton lowers tl.dot to FMAs before sm_80: no
   mma.sync), and its spills are declared where measured. The word GEMV variants (l06-l08, l30-l36)
@@ -37,9 +37,13 @@ import torch
 from experiments import common, ops, registry, runner
 from experiments.ops import linear as linear_op
 from experiments.registry import Variant
-from nf4.linear import api as linear_api
-from nf4.linear import config as linear_config
-from nf4.linear.kernel import nf4_gemm_word_kernel, nf4_gemv_kernel, nf4_gemv_mma_kernel, nf4_gemv_table_kernel
+from experiments.variants.linear.l30_gemv_mma import MMA, MMA8
+from nf4.linear import launch as linear_launch
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.gemm_word import nf4_gemm_word_kernel
+from nf4.linear.gemv import nf4_gemv_kernel
+from nf4.linear.gemv_mma import nf4_gemv_mma_kernel
+from nf4.linear.gemv_table import nf4_gemv_table_kernel
 
 LINEAR_OPS = ("linear", "linear_backward")
 INTERPRETING = not runner.gpu_mode()
@@ -49,14 +53,14 @@ CHECKS = [(v.id, c) for v in VARIANTS.values() if not v.gpu_only for c in ops.ge
 WORD_GEMV = ("l06_gemv_word_table", "l07_gemv_word_table_tile16", "l08_gemv_word_table_rows128")
 WORD_GEMM = ("l40_gemm_word", "l41_gemm_word_split", "l42_gemm_word_plain")  # nf4_gemm_word_kernel (sm_80+)
 # id: (config, rows of W per program, threads per program, bytes per lane and step)
-MMA_GEMV = {"l30_gemv_mma": (linear_config.GEMV_MMA, 64, 128, 32),
-            "l31_gemv_mma_tile16": (linear_config.GEMV_MMA.with_(step_bytes=16), 64, 128, 16),
-            "l32_gemv_mma_warps2": (linear_config.GEMV_MMA.with_(num_warps=2, block_r=32), 32, 64, 32),
-            "l33_gemv_mma8": (linear_config.GEMV_MMA8, 64, 128, 16),
-            "l34_gemv_mma_warps_k4": (linear_config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1), 16, 128, 32),
-            "l35_gemv_mma_warps_k8": (linear_config.GEMV_MMA.with_(num_warps=8, warps_k=8, block_r=16, split_k=1), 16,
-                                      256, 32),
-            "l36_gemv_mma_warps_k8_tile16": (linear_config.GEMV_MMA_WK16, 16, 256, 16)}
+# (GEMV_MMA and GEMV_MMA8, presets nf4 no longer names, are defined by l30_gemv_mma.py as MMA and MMA8)
+MMA_GEMV = {"l30_gemv_mma": (MMA, 64, 128, 32),
+            "l31_gemv_mma_tile16": (MMA.with_(step_bytes=16), 64, 128, 16),
+            "l32_gemv_mma_warps2": (MMA.with_(num_warps=2, block_r=32), 32, 64, 32),
+            "l33_gemv_mma8": (MMA8, 64, 128, 16),
+            "l34_gemv_mma_warps_k4": (MMA.with_(warps_k=4, block_r=16, split_k=1), 16, 128, 32),
+            "l35_gemv_mma_warps_k8": (MMA.with_(num_warps=8, warps_k=8, block_r=16, split_k=1), 16, 256, 32),
+            "l36_gemv_mma_warps_k8_tile16": (linear_tuned.GEMV_MMA_WK16, 16, 256, 16)}
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="interpreter checks (a GPU run uses the runner)")
 
@@ -194,23 +198,25 @@ def test_mma_gemv_skipped_in_interpreter():
 
 def test_mma_gemv_split_per_programs():
     """The lanes' step and programs_per_sm decide the tensor-core variants' auto split-K, as
-    nf4.linear.api.auto_split does for a T4's 40 multiprocessors: l31 (12 programs per SM) splits K in two, l33
+    nf4.linear.launch.auto_split does for a T4's 40 multiprocessors: l31 (12 programs per SM) splits K in two, l33
     (7) does not. (On a GPU the launches themselves are checked by the expect= guard: results/linear/
     experiments_gpu_*.json, where l30-l33 ran nf4_gemv_mma_kernel and were exact.)"""
     n, k = linear_op.SM75_NK
     for vid, want in (("l31_gemv_mma_tile16", 2), ("l33_gemv_mma8", 1)):
         config = MMA_GEMV[vid][0]
-        split = linear_api.auto_split(-(-n // config.block_r), k // 2 // (4 * 16), config.programs_per_sm * 40)
+        split = linear_launch.auto_split(-(-n // config.block_r), k // 2 // (4 * 16), config.programs_per_sm * 40)
         assert split == want, (vid, split)
 
 
 @needs_interpreter
 def test_mma_gemv_refuses_the_fallback():
     """Where nf4.linear cannot run the tensor-core GEMV (here: Triton's interpreter, no PTX), l30-l36 raise
-    rather than check or time the word GEMV or the codebook-0 GEMV it falls back to."""
+    rather than check or time the word GEMV or the codebook-0 GEMV it falls back to. (Every one falls back to the
+    word GEMV: l33's GEMV_MMA8 went to the codebook-0 GEMV through its tuned fallback while nf4 named it; a config
+    without one takes the next simpler kernel of the same shape.)"""
     x, packed, qs, out = _inputs("linear", linear_op.INTERPRETER_CASES[1])[0][0]
     fallback = {"l30_gemv_mma": "nf4_gemv_table_kernel", "l31_gemv_mma_tile16": "nf4_gemv_table_kernel",
-                "l32_gemv_mma_warps2": "nf4_gemv_table_kernel", "l33_gemv_mma8": "nf4_gemv_kernel",
+                "l32_gemv_mma_warps2": "nf4_gemv_table_kernel", "l33_gemv_mma8": "nf4_gemv_table_kernel",
                 "l34_gemv_mma_warps_k4": "nf4_gemv_table_kernel", "l35_gemv_mma_warps_k8": "nf4_gemv_table_kernel",
                 "l36_gemv_mma_warps_k8_tile16": "nf4_gemv_table_kernel"}
     for vid, instead in fallback.items():
@@ -290,14 +296,14 @@ def _builds_ok(rows):
 
 
 def test_sm75_production_builds(sm75_builds):
-    """At M = 1 a T4 (40 multiprocessors) launches the codebook-0 GEMV with the split nf4.linear.api.auto_split
+    """At M = 1 a T4 (40 multiprocessors) launches the codebook-0 GEMV with the split nf4.linear.launch.auto_split
     picks for it: 448 blocks of 32 rows, 64 steps, 640 programs at once, so split 2 is two waves of 32 steps,
     no fewer than one wave of 64, and the tie goes to no split (one launch). l05's split-K of 8 is the GEMV
     with float32 partials and their ordered sum (nf4_split_sum_kernel, SUM_BLOCK outputs per program)."""
     _, builds = sm75_builds
     n, k = linear_op.SM75_NK
-    gemv = linear_config.GEMV
-    split = linear_api.auto_split(-(-n // gemv.block_r), k // 2 // 32, gemv.programs_per_sm * 40)
+    gemv = linear_tuned.GEMV
+    split = linear_launch.auto_split(-(-n // gemv.block_r), k // 2 // 32, gemv.programs_per_sm * 40)
     assert split == 1
     found = builds["l00_production"]
     assert sorted((b["out_dtype"], "launch" in b) for b in found) == [("bfloat16", False), ("float16", False)]
@@ -311,7 +317,7 @@ def test_sm75_production_builds(sm75_builds):
     assert all(b["kernel"].endswith(":nf4_gemv_kernel") and b["constexprs"]["PARTIAL"] for b in found
                if b["launch"] == 0)
     assert all(b["kernel"].endswith(":nf4_split_sum_kernel") and b["constexprs"]["SPLIT"] == 8
-               and b["constexprs"]["BLOCK"] == linear_api.SUM_BLOCK for b in found if b["launch"] == 1)
+               and b["constexprs"]["BLOCK"] == linear_launch.SUM_BLOCK for b in found if b["launch"] == 1)
 
 
 def test_sm75_tl_dot_is_fma(sm75_builds):
@@ -348,31 +354,32 @@ def test_sm75_word_gemv_not_built(sm75_builds):
 
 
 # The word GEMVs' launches as a GPU would issue them (kernel_args with CPU stand-ins, interpreting=False: ASM on;
-# the tensor-core GEMV taken, as an sm_80+ GPU would: kernel_args's mma_check) for the sm_75 weight at M = 1 with
-# a T4's auto split-K, compiled offline for sm_75 and sm_80 in a child without TRITON_INTERPRET.
+# kernel_args launches the config's kernel as it is, the tensor-core GEMV included, as an sm_80+ GPU would) for the
+# sm_75 weight at M = 1 with a T4's auto split-K, compiled offline for sm_75 and sm_80 in a child without
+# TRITON_INTERPRET.
 _WORD_GEMV_BUILD = """
 import json, re, torch, triton
 from triton.backends.compiler import GPUTarget
 from experiments import sm75
 from experiments.ops.linear import SM75_NK
 from experiments.variants.linear._common import T4_SMS
-from nf4 import runtime
-from nf4.linear import api, config
+from experiments.variants.linear.l30_gemv_mma import MMA
+from nf4 import NF4Weight, runtime
+from nf4.linear import launch, tuned
 n, k = SM75_NK
 found = {}
-configs = {"table": config.GEMV_TABLE, "mma": config.GEMV_MMA,
-           "mma-warps_k": config.GEMV_MMA.with_(warps_k=4, block_r=16, split_k=1),
-           "word-gemm": config.WORD_GEMM128.with_(split_k=1)}
+configs = {"table": tuned.GEMV_TABLE, "mma": MMA, "mma-warps_k": MMA.with_(warps_k=4, block_r=16, split_k=1),
+           "word-gemm": tuned.WORD_GEMM128.with_(split_k=1)}
 for name, cfg in configs.items():
     for dt in (torch.float16, torch.bfloat16):
-        w = api.new_weight(n, k, 64, True, dt, torch.empty(16, dtype=torch.uint8), torch.empty(16), torch.empty(256),
-                           torch.empty(()), torch.device("cpu"))
-        split = cfg.split_k or api.auto_split(triton.cdiv(n, cfg.block_r), triton.cdiv(k // 2, api.gemv_step(cfg, w)),
-                                              cfg.programs_per_sm * T4_SMS)
-        (fn, _, args, options), *_ = api.kernel_args(
-            torch.empty((1, k), dtype=dt), torch.empty(64, dtype=torch.uint8), w, None,
-            torch.empty((1, n), dtype=dt), 1, False, cfg.with_(split_k=split), True, False, torch.empty(split * n),
-            mma_check=lambda *args: True)
+        w = NF4Weight(torch.empty(64, dtype=torch.uint8), torch.empty(16, dtype=torch.uint8), torch.empty(16),
+                      torch.empty(256), torch.empty(()), (n, k), 64, dt, True)
+        split = cfg.split_k or launch.auto_split(triton.cdiv(n, cfg.block_r),
+                                                 triton.cdiv(k // 2, launch.gemv_step(cfg, w)),
+                                                 cfg.programs_per_sm * T4_SMS)
+        (fn, _, args, options), *_ = launch.kernel_args(
+            torch.empty((1, k), dtype=dt), w, None, torch.empty((1, n), dtype=dt), 1, False,
+            cfg.with_(split_k=split), True, False, torch.empty(split * n))
         spec = sm75.source_spec(fn, runtime.positional(fn, args), {**options, "enable_fp_fusion": True})
         for arch in (75, 80):
             key = f"{fn.__name__} {dt} {name} sm_{arch}"

@@ -326,7 +326,7 @@ def test_no_matmul_mode_is_a_bound():
 
 
 def test_mode_text_names_the_route_limit():
-    from nf4.linear.config import matmul_4bit_route_max_m
+    from nf4.integrations.routes import matmul_4bit_route_max_m
 
     limit = matmul_4bit_route_max_m("NVIDIA H100 80GB HBM3")
     assert f"1-{limit} rows" in qlora.mode_text("nf4_fused", "NVIDIA H100 80GB HBM3")

@@ -3,7 +3,7 @@
 Teaches nothing new; it is the row every other linear variant is compared with. On an H100 (and a
 GPU without rows of its own) the table takes the split-K GEMV up to M = 4, the swapped 16x64 tl.dot
 tile up to 32, and nf4.dequantize + cuBLAS above; in Triton's interpreter the GEMV up to 4 and the
-128x128 tl.dot tile above (nf4/linear/config.py). Launched by the product's own launches into the
+128x128 tl.dot tile above (nf4/linear/tuned.json). Launched by the product's own launches into the
 runner's buffer (variants/linear/_common.py); the offline sm_75 compile records what a T4 would
 launch at M = 1 (the GEMV).
 """
@@ -11,7 +11,7 @@ launch at M = 1 (the GEMV).
 from __future__ import annotations
 
 from experiments.registry import register
-from nf4.linear.kernel import nf4_gemv_kernel
+from nf4.linear.gemv import nf4_gemv_kernel
 
 from ._common import launcher
 

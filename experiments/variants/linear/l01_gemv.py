@@ -20,17 +20,17 @@ config of the current kernels (one program per block of rows, its grid sized by 
 from __future__ import annotations
 
 from experiments.registry import register
-from nf4.linear import api as linear_api
-from nf4.linear import config as linear_config
-from nf4.linear.kernel import nf4_gemv_kernel
+from nf4.linear import launch as linear_launch
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.gemv import nf4_gemv_kernel
 
 from ._common import launcher
 
-GEMV = linear_config.GEMV
+GEMV = linear_tuned.GEMV
 # The slice size of this family: the most rows of x the word GEMV takes (4), which the codebook-0 GEMV takes without
 # spilling; the tuned table's first GEMV row took 4 rows too until its rows up to M = 8 went to one launch
-# (nf4.linear.config.GEMV_MMA_WK), and the family's results were measured on slices of 4.
-GEMV_ROWS = linear_api.TABLE_MAX_M
+# (nf4.linear.tuned.GEMV_MMA_WK), and the family's results were measured on slices of 4.
+GEMV_ROWS = linear_launch.TABLE_MAX_M
 # id, parent, the LinearConfig fields changed versus the table's GEMV, the one-line change.
 FAMILY = [
     ("l01_gemv", "l00_production", {},

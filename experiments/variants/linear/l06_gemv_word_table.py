@@ -1,6 +1,6 @@
-"""l06-l08: codebook 3, the word GEMV (nf4_gemv_table_kernel): each block's 16 products in registers, prmt lookups.
+"""l06-l08: the word GEMV (kernel "gemv_table": nf4_gemv_table_kernel): each block's 16 products in registers, prmt.
 
-Teaches what the tuned table's small-M kernel (nf4.linear.config.GEMV_TABLE, H100 rows to M = 4) gains
+Teaches what the tuned table's small-M kernel (nf4.linear.tuned.GEMV_TABLE, H100 rows to M = 4) gains
 over the codebook-0 GEMV it falls back to (l01), and two of its meta-parameters. Against l01 (a
 16-entry table gather per nibble, then a float32 multiply by the absmax and a rounding per weight,
 into a [BLOCK_M, rows, bytes] accumulator), the word GEMV reads W as 32-bit words and builds, once per
@@ -26,13 +26,13 @@ GPU run checks the prmt decode.
 from __future__ import annotations
 
 from experiments.registry import register
-from nf4.linear import config as linear_config
-from nf4.linear.kernel import nf4_gemv_table_kernel
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.gemv_table import nf4_gemv_table_kernel
 
 from ._common import launcher
 from .l01_gemv import GEMV_ROWS
 
-TABLE = linear_config.GEMV_TABLE
+TABLE = linear_tuned.GEMV_TABLE
 MIN_ARCH = 80
 ARCH_REASON = ("nf4_gemv_table_kernel's product table packs with cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, which ptxas "
                "refuses for sm_75 ('requires .target sm_80 or higher'); a T4 runs l01's codebook-0 GEMV instead")

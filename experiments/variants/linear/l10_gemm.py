@@ -1,6 +1,6 @@
 """l10-l18: the tl.dot kernel (tensor cores) at every M, and one of its meta-parameters at a time.
 
-Teaches where the tile's time goes. l10 is the interpreter's tile for M > 4 (nf4.linear.config.GEMM:
+Teaches where the tile's time goes. l10 is the interpreter's tile for M > 4 (nf4.linear.tuned.GEMM:
 128x128 output, K step 64 = one absmax block, 8 warps, no software pipelining, 16-entry table
 gather), with x as tl.dot's first operand and the decoded W tile (transposed) as the second. Each
 member changes one thing:
@@ -8,7 +8,8 @@ member changes one thing:
 - l12 pipelines the K loop in 3 stages (on sm_80+ the pipeliner turns the codebook and x loads into
   cp.async copies through shared memory; sm_75 has no cp.async);
 - l13 a 64x64 output tile; l14 the select-tree codebook; l15 the 256-entry pair table;
-- l16 the table's small-M tile (nf4.linear.config.GEMM_SMALL: swapped, 16x64, 4 warps) at every M;
+- l16 the table's small-M tile (GEMM_SMALL below, no longer a named config of nf4:
+  swapped, 16x64, 4 warps) at every M;
 - l17 GROUP = 1: programs walk the output tiles along N for one M tile at a time, instead of 8 M
   tiles in a row sharing each decoded W tile (L2 reuse of the packed bytes);
 - l18 persistent: one program per multiprocessor loops over the output tiles (in l10's order).
@@ -36,12 +37,16 @@ the 64x64 and 16x64 tiles do not; l12's stages change nothing there (no cp.async
 from __future__ import annotations
 
 from experiments.registry import register
-from nf4.linear import config as linear_config
-from nf4.linear.kernel import nf4_gemm_kernel
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.config import LinearConfig
+from nf4.linear.gemm import nf4_gemm_kernel
 
 from ._common import launcher
 
-GEMM = linear_config.GEMM
+GEMM = linear_tuned.GEMM
+# the table's former small-M tile (nf4.linear.config.GEMM_SMALL before nf4 dropped the presets no table row used)
+GEMM_SMALL = LinearConfig(kernel="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
+                          codebook=0)
 # id, parent, the config (a change of GEMM, or another table row), the one-line change.
 FAMILY = [
     ("l10_gemm", "l00_production", GEMM,
@@ -54,7 +59,7 @@ FAMILY = [
     ("l14_gemm_select_tree", "l10_gemm", GEMM.with_(codebook=1), "NF4 levels by a select tree (codebook 1)"),
     ("l15_gemm_pair_table", "l10_gemm", GEMM.with_(codebook=2),
      "both levels of a byte by one 8-byte gather from a 256-entry pair table (codebook 2)"),
-    ("l16_gemm_small", "l00_production", linear_config.GEMM_SMALL,
+    ("l16_gemm_small", "l00_production", GEMM_SMALL,
      "the table's small-M tile at every M: swapped, 16x64, K step 64, 4 warps, 1 stage"),
     ("l17_gemm_group1", "l10_gemm", GEMM.with_(group=1),
      "program order N-major (GROUP 1) instead of 8 M tiles in a row per decoded W tile"),

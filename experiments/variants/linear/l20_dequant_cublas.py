@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from experiments.registry import register
 from nf4.dequant.kernel import nf4_dequantize_kernel
-from nf4.linear import config as linear_config
+from nf4.linear import tuned as linear_tuned
 
 from ._common import launcher
 
 register("l20_dequant_cublas", parent="l00_production", change="nf4.dequantize into a scratch weight, then cuBLAS "
-         "(path \"dequant\") at every M", kernel=nf4_dequantize_kernel, module=__name__)(
-    launcher(linear_config.DEQUANT))
+         "(kernel \"dequant\") at every M", kernel=nf4_dequantize_kernel, module=__name__)(
+    launcher(linear_tuned.DEQUANT))

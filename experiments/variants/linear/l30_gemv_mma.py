@@ -9,10 +9,10 @@ operand of `mma.sync.aligned.m16n8k16` (16 rows of W per warp: lane 4g + t decod
 x's matching pairs the B operand (its 8 columns are 8 rows of x), with float32 accumulation. So one
 launch serves up to 8 rows of x at the cost of 1 (the unused columns of B are wasted work, not more
 instructions), and a lane keeps 8 float32 accumulators whatever M is. One step covers 4 lanes x
-step_bytes bytes of each row (`nf4.linear.api.gemv_step`): split-K is in whole steps.
-- l30: the table's GEMV_MMA (64 rows = 4 warps x 16, 32-byte lanes: one 64-weight absmax block per
-  lane and step, split-K for 12 programs per multiprocessor; H100 rows to M = 4), on slices of at
-  most 8 rows of x;
+step_bytes bytes of each row (`nf4.linear.launch.gemv_step`): split-K is in whole steps.
+- l30: GEMV_MMA, once the table's row (64 rows = 4 warps x 16, 32-byte lanes: one 64-weight absmax block per
+  lane and step, split-K for 12 programs per multiprocessor; H100 rows to M = 4; defined here since nf4 dropped
+  the presets no table row uses), on slices of at most 8 rows of x;
 - l31: 16-byte lanes (half a block per lane and step: the product table built twice per block, a
   step of 64 bytes per row, half the loads in flight per lane);
 - l32: 2 warps, 32 rows per program (twice the programs along N, so half the auto split-K);
@@ -29,7 +29,7 @@ step_bytes bytes of each row (`nf4.linear.api.gemv_step`): split-K is in whole s
 
 GPU only: Triton's interpreter has no PTX (nf4.linear's `launch_config` falls back to the word GEMV
 there), so the interpreter run lists these ids as skipped. Where nf4.linear would not launch
-nf4_gemv_mma_kernel (`nf4.linear.api.mma_ok`: a GPU before sm_80, M > 8, W dtype != x dtype, x not
+nf4_gemv_mma_kernel (`nf4.linear.launch.runnable`: a GPU before sm_80, M > 32, W dtype != x dtype, x not
 contiguous, x or the packed bytes not 16-byte aligned, K / 2 not a multiple of 4 * min(step_bytes,
 blocksize / 2, 32)), `_common.launch(expect=...)` raises instead of checking or timing the fallback
 under their name. The offline sm_75 compile records them as not built (`min_arch` 80).
@@ -38,12 +38,15 @@ under their name. The offline sm_75 compile records them as not built (`min_arch
 from __future__ import annotations
 
 from experiments.registry import register
-from nf4.linear import config as linear_config
-from nf4.linear.kernel import nf4_gemv_mma_kernel
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.config import LinearConfig
+from nf4.linear.gemv_mma import nf4_gemv_mma_kernel
 
 from ._common import launcher
 
-MMA = linear_config.GEMV_MMA
+# nf4.linear.config.GEMV_MMA and GEMV_MMA8 before nf4 dropped the presets no table row used
+MMA = LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, step_bytes=32, programs_per_sm=12)
+MMA8 = LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, step_bytes=16, programs_per_sm=7)
 MMA_ROWS = 8  # the rows of x one mma.sync's B operand holds (one tile; nf4.linear takes up to 4 tiles, M <= 32)
 MIN_ARCH = 80
 ARCH_REASON = ("nf4_gemv_mma_kernel issues mma.sync.aligned.m16n8k16 with f16/bf16 operands and packs its product "
@@ -60,13 +63,13 @@ FAMILY = [
      "16-byte lanes: half an absmax block per lane and step (the product table built twice per block)"),
     ("l32_gemv_mma_warps2", "l30_gemv_mma", MMA.with_(num_warps=2, block_r=32),
      "2 warps, 32 rows of W per program (twice the programs, half the split-K)"),
-    ("l33_gemv_mma8", "l31_gemv_mma_tile16", linear_config.GEMV_MMA8,
+    ("l33_gemv_mma8", "l31_gemv_mma_tile16", MMA8,
      "split-K for 7 programs per SM instead of 12 (GEMV_MMA8)"),
     ("l34_gemv_mma_warps_k4", "l30_gemv_mma", MMA.with_(warps_k=4, block_r=16, split_k=1),
      "one launch: the 4 warps share 16 rows and split K in the program (warps_k 4), no split-K sum kernel"),
     ("l35_gemv_mma_warps_k8", "l34_gemv_mma_warps_k4", MMA.with_(num_warps=8, warps_k=8, block_r=16, split_k=1),
      "8 warps per program, each row's K split 8 ways in it (the kernel of GEMV_MMA_WK)"),
-    ("l36_gemv_mma_warps_k8_tile16", "l35_gemv_mma_warps_k8", linear_config.GEMV_MMA_WK16,
+    ("l36_gemv_mma_warps_k8_tile16", "l35_gemv_mma_warps_k8", linear_tuned.GEMV_MMA_WK16,
      "16-byte lanes (GEMV_MMA_WK16)"),
 ]
 

@@ -20,7 +20,7 @@ registers (`word_tile`) and handed to tl.dot as its first operand (swapped: out^
   time at M = 64-512 on 14336x4096, 4096x14336 and 4096x4096 (H100 at cd93f7f, results/linear/tuning/
   sweep_word_plain_h100.json), so the table stays swapped.
 
-Where nf4.linear would not launch nf4_gemm_word_kernel (`nf4.linear.api.word_gemm_ok`: W dtype !=
+Where nf4.linear would not launch nf4_gemm_word_kernel (`nf4.linear.launch.runnable`: W dtype !=
 x dtype, packed bytes not 4-byte aligned, blocksize under 32, a GPU before sm_80 or the meta device),
 `_common.launch(expect=...)` raises instead of checking or timing the fallback under their name. The
 interpreter runs them (the decode by `_word_pairs`, the same values); no sm_75 build (needs sm_80:
@@ -30,12 +30,12 @@ cvt.rn.*x2).
 from __future__ import annotations
 
 from experiments.registry import register
-from nf4.linear import config as linear_config
-from nf4.linear.kernel import nf4_gemm_word_kernel
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.gemm_word import nf4_gemm_word_kernel
 
 from ._common import launcher
 
-WORD = linear_config.WORD_GEMM128
+WORD = linear_tuned.WORD_GEMM128
 MIN_ARCH = 80
 ARCH_REASON = ("nf4_gemm_word_kernel packs its product table with cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, which "
                "ptxas refuses for sm_75 ('requires .target sm_80 or higher'); a T4 runs nf4.dequantize + cuBLAS "

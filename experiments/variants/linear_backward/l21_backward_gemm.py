@@ -2,7 +2,7 @@
 
 Teaches what the backward's operand costs: the same packed bytes read transposed (a program owns
 K / 2 bytes of every row and walks down the rows), the decoded tile as tl.dot's second operand
-untransposed. l21 is nf4.linear.config.GEMM with trans=True (128 rows of dY x one absmax block of W
+untransposed. l21 is nf4.linear.tuned.GEMM with trans=True (128 rows of dY x one absmax block of W
 per program); l22 is the tuned table's backward row (on an H100 and GPUs without rows,
 nf4.dequantize + cuBLAS, which measured 2-5x faster than every fused tile; in the interpreter the
 fused GEMM). Checked on the operand like the forward: dY made of identity rows picking rows of W.
@@ -15,12 +15,12 @@ from __future__ import annotations
 from experiments.registry import register
 from experiments.variants.linear._common import launcher
 from nf4.dequant.kernel import nf4_dequantize_kernel
-from nf4.linear import config as linear_config
-from nf4.linear.kernel import nf4_gemm_kernel
+from nf4.linear import tuned as linear_tuned
+from nf4.linear.gemm import nf4_gemm_kernel
 
 register("l21_backward_gemm", parent="l10_gemm", change="dY @ W through the same tl.dot kernel (TRANS: W read "
          "transposed, the decoded tile untransposed as the second operand)", kernel=nf4_gemm_kernel,
-         spills_expected=True, module=__name__)(launcher(linear_config.GEMM, trans=True))
+         spills_expected=True, module=__name__)(launcher(linear_tuned.GEMM, trans=True))
 register("l22_backward_production", parent="l00_production", change="dY @ W by the tuned table's backward row "
          "(nf4.dequantize + cuBLAS on the GPU; the fused tl.dot in the interpreter)", kernel=nf4_dequantize_kernel,
          module=__name__)(launcher(None, trans=True))
