@@ -46,6 +46,10 @@ def main(argv=None) -> int:
                    "call form (experiments.linear_host)", add_help=False)
     sub.add_parser("catalog", help="the shape catalog: every (N, K) of the decoder linears of public open models at "
                    "tp 1 and 2, with its fit / held-out subset (experiments.catalog)", add_help=False)
+    sub.add_parser("catalog-bench", help="GPU: nf4 against its peers on every catalog shape, and merge of parts "
+                   "(experiments.catalog_bench)", add_help=False)
+    sub.add_parser("call-forms", help="GPU: host time of every eager repeat-call form of nf4.dequantize and nf4.linear "
+                   "against an empty Triton JIT launch (experiments.call_forms)", add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
     run = sub.add_parser("run", help="check every variant bit-exact, then time it (GPU)")
     run.add_argument("ids", nargs="*", help="variant ids or shell patterns (v3*); default all")
@@ -68,7 +72,7 @@ def main(argv=None) -> int:
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit",
-                            "gemm-limit", "linear-bounds", "linear-host", "catalog"):
+                            "gemm-limit", "linear-bounds", "linear-host", "call-forms", "catalog", "catalog-bench"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])
