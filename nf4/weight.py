@@ -192,8 +192,12 @@ def check_state(packed: torch.Tensor, qs) -> tuple:
         s2 = getattr(qs, "state2", None)
         if s2 is None:
             raise ValueError("quant_state.state2 is required with double quantization (quant_state.nested is True)")
-        if s2.blocksize != ABSMAX_BLOCKSIZE:
-            raise ValueError(f"quant_state.state2.blocksize must be {ABSMAX_BLOCKSIZE}, got {s2.blocksize}")
+        for name in ("absmax", "code", "blocksize"):
+            if not hasattr(s2, name):
+                raise TypeError(f"quant_state.state2.{name} is missing: quant_state.state2 must be a bitsandbytes "
+                                f"QuantState with absmax, code and blocksize, got {type(s2).__name__}")
+        if as_int(s2.blocksize, "quant_state.state2.blocksize") != ABSMAX_BLOCKSIZE:
+            raise ValueError(f"quant_state.state2.blocksize must be {ABSMAX_BLOCKSIZE}, got {s2.blocksize!r}")
         absmax2, code2, offset = s2.absmax, s2.code, getattr(qs, "offset", None)
         _check_tensor("state2.absmax", absmax2, torch.float32, -(-n_blocks // ABSMAX_BLOCKSIZE), device)
         _check_tensor("state2.code", code2, torch.float32, 256, device)

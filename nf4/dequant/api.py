@@ -143,6 +143,10 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
         raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
     packed, qs = unpack(weight, quant_state)
     w = NF4Weight.from_state(packed, qs)
+    if w.transposed and len(w.shape) > 2:
+        raise ValueError(f"packed weight has shape {tuple(packed.shape)} (a row), whose result bitsandbytes returns "
+                         f"transposed, but quant_state.shape {w.shape} has more than 2 dimensions: expected a packed "
+                         "tensor of shape (n, 1) for it")
     return dequantize_weight(w, qs, out=out, dtype=dtype, ftz=ftz, config=config)
 
 
