@@ -223,7 +223,7 @@ def widen(v, BF16_BITS: tl.constexpr):
 # 4 packed bytes (8 weights) costs 2 x 11 instructions; the table 16 multiplies, 8 conversions, 8 prmt.
 
 
-def _table_asm(ftz: bool, dtype: str) -> str:
+def table_asm(ftz: bool, dtype: str) -> str:
     mul_op = "mul.rn.ftz.f32" if ftz else "mul.rn.f32"
     lines = ["{", ".reg .b32 p<16>;", ".reg .b32 q<8>;"]
     lines += [f"{mul_op} p{i}, $8, 0f{int(NF4_CODE_BITS[i]):08X};" for i in range(16)]
@@ -250,10 +250,10 @@ def _lookup_half(src: str, out0: int) -> list[str]:
 
 _LOOKUP_ASM = " ".join(["{", ".reg .b32 i, u, s, l0, l1, h0, h1, l, h;", *_lookup_half("$4", 0),
                         "shr.b32 s, $4, 16;", *_lookup_half("s", 2), "}"])
-_TABLE_ASM_BF16_FTZ = tl.constexpr(_table_asm(True, "bf16"))
-_TABLE_ASM_BF16 = tl.constexpr(_table_asm(False, "bf16"))
-_TABLE_ASM_F16_FTZ = tl.constexpr(_table_asm(True, "f16"))
-_TABLE_ASM_F16 = tl.constexpr(_table_asm(False, "f16"))
+_TABLE_ASM_BF16_FTZ = tl.constexpr(table_asm(True, "bf16"))
+_TABLE_ASM_BF16 = tl.constexpr(table_asm(False, "bf16"))
+_TABLE_ASM_F16_FTZ = tl.constexpr(table_asm(True, "f16"))
+_TABLE_ASM_F16 = tl.constexpr(table_asm(False, "f16"))
 LOOKUP_ASM = tl.constexpr(_LOOKUP_ASM)
 
 

@@ -293,8 +293,13 @@ def bind(compiled, fn, grid: Sequence[int], args: Mapping[str, Any], rebind: Seq
     return bound
 
 
-# The current CUDA stream of a device as an int (absent from CPU-only builds, where nothing is bound).
-raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+def _no_stream(device_index: int) -> int:
+    """A CPU-only build's stand-in: no CUDA stream (nothing launches on one there)."""
+    return 0
+
+
+# The current CUDA stream of a device as an int.
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _no_stream
 
 
 # --- configs ------------------------------------------------------------------------------------------

@@ -184,9 +184,9 @@ def decode_word(mode: int, words: np.ndarray, absmax: np.ndarray, lane: np.ndarr
     words = np.asarray(words, dtype=np.uint64)
     absmax_bits = _bits(absmax)
     if mode == 0:
-        from nf4.device import LOOKUP_ASM, _table_asm
+        from nf4.device import LOOKUP_ASM, table_asm
 
-        t = run_ptx(_table_asm(True, dtype), {"$8": absmax_bits})
+        t = run_ptx(table_asm(True, dtype), {"$8": absmax_bits})
         inputs = {"$4": words, **{f"${5 + i}": t[f"${i}"] for i in range(8)}}
         out = run_ptx(LOOKUP_ASM, inputs)
     elif mode == 1:

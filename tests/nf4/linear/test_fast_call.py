@@ -1,7 +1,7 @@
 """`nf4.linear`'s shortest repeat call (`_fast_call`), checked on any machine with a stand-in for the bound launch.
 
 On a GPU the fast call launches a kernel bound by nf4.runtime; here that bound launch is stood in by a recorder of
-the pointers it is handed (and the stream by a constant), so that what the fast call passes, and when it refuses
+the pointers it is handed, so that what the fast call passes, and when it refuses
 (leaving the call to the checked path), is seen without a GPU. On a CUDA machine the last test checks that the
 checked repeat call notes the entry and the next call takes it; the kernels' results through it are checked there
 by test_repeat.py and test_gpu.py (where the fast call is the repeat call's default).
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import nf4
-from nf4 import runtime
 from nf4.dequant.api import contiguous_strides
 from nf4.linear import api as linear_api
 
@@ -32,10 +31,6 @@ class _Recorder:
         self.calls.append(ptrs)
 
 
-def _stream(index):
-    return 0
-
-
 def _served(x, packed, qs):
     """What nf4.linear's repeat call does first (for a plain packed tensor and no bias): the cache entry of the
     QuantState while it still matches (state and packed tensor), then that entry's fast call; None: refused (the
@@ -47,9 +42,8 @@ def _served(x, packed, qs):
 @pytest.fixture
 def fast(nf4h, monkeypatch):
     """(packed, QuantState, the weight's cache entry, x (3, K) bfloat16, the recorder) with a bound launch stood
-    in for M = 3 and its fast entry noted, as the checked repeat call notes it. The stream the fast call launches on
-    (nf4.runtime.raw_stream, absent from CPU-only builds) is a constant here."""
-    monkeypatch.setattr(runtime, "raw_stream", _stream)
+    in for M = 3 and its fast entry noted, as the checked repeat call notes it (on a CPU-only build
+    nf4.runtime.raw_stream gives stream 0)."""
     seed = nf4h.case_seed("fast-call")
     packed, qs = nf4h.quantize((N, K), torch.bfloat16, 64, True, seed=seed)
     w = linear_api.entry_of(packed, qs)
