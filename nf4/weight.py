@@ -16,6 +16,7 @@ an op's repeat-call cache (`RepeatCache`, one per op) serves a call only when no
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -218,8 +219,9 @@ class StateCheck:
     entries) add their launches.
     """
 
-    __slots__ = ("__weakref__", "_refs", "_sigs", "blocksize", "device", "index", "nested", "packed_dtype",
-                 "packed_numel", "ptr_mod", "quant_type", "s2_blocksize", "shape", "state2", "w")
+    __slots__ = ("__weakref__", "_refs", "_s2_values", "_sigs", "_values", "blocksize", "device", "index",
+                 "nested", "packed_dtype", "packed_numel", "ptr_mod", "quant_type", "s2_blocksize", "shape", "state2",
+                 "w")
 
     def __init__(self, qs, w: NF4Weight):
         s2 = getattr(qs, "state2", None)
@@ -234,6 +236,10 @@ class StateCheck:
         # what t.get_device() says of a tensor on the weight's device: the CUDA index, -1 for the CPU
         self.index = packed.get_device()
         self.device = packed.device
+        # every attribute of the state (and of state2) as it was checked, compared by identity: one C-level pass
+        # (None where an object keeps no __dict__: its fields are then compared one by one)
+        self._values = _values(qs)
+        self._s2_values = _values(s2) if s2 is not None else ()
         if torch.compiler.is_compiling():  # traced tensors have no data pointers: a check that never matches
             self._sigs, self.ptr_mod = None, -1
         else:
@@ -242,6 +248,18 @@ class StateCheck:
 
     def matches(self, qs, packed) -> bool:
         s2 = self.state2
+        values = self._values
+        if values is not None and self._s2_values is not None:
+            d = getattr(qs, "__dict__", None)
+            if d is None or not _same(tuple(d.values()), values):
+                return False
+            if s2 is not None:
+                d2 = getattr(s2, "__dict__", None)
+                if d2 is None or not _same(tuple(d2.values()), self._s2_values):
+                    return False
+            if self._sigs != _sigs(*self._refs):
+                return False
+            return self.fits(packed)
         if not (qs.shape is self.shape and qs.dtype is self.w.dtype and qs.blocksize == self.blocksize
                 and qs.quant_type == self.quant_type and getattr(qs, "nested", False) is self.nested
                 and getattr(qs, "state2", None) is s2 and (s2 is None or s2.blocksize == self.s2_blocksize)):
@@ -267,6 +285,17 @@ class StateCheck:
         return (packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
                 and packed.get_device() == self.index and packed.is_contiguous()
                 and packed.data_ptr() % 16 == self.ptr_mod and (self.index >= 0 or not packed.is_meta))
+
+
+def _values(obj) -> tuple | None:
+    """The values of an object's attributes (its __dict__), or None where it keeps none."""
+    d = getattr(obj, "__dict__", None)
+    return tuple(d.values()) if d is not None else None
+
+
+def _same(values: tuple, saved: tuple) -> bool:
+    """Whether two tuples hold the same objects (identity, in order)."""
+    return len(values) == len(saved) and all(map(operator.is_, values, saved))
 
 
 def _sigs(absmax, offset, absmax2, code2) -> tuple:
