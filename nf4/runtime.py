@@ -254,17 +254,45 @@ class Bound:
         self.fn(self.ctx, stream, *values)
 
 
-def _call(ctx, stream, *values):
-    launch_fn, grid_x, head, template, positions = ctx
-    args = list(template)
-    for p, v in zip(positions, values, strict=True):
-        args[p] = v
-    launch_fn(grid_x, 1, 1, stream, *head, *args)
+def _segments(values: list, positions: list) -> tuple:
+    """The bound values between the rebound slots, in slot order: (before the first, between, ..., after the last)."""
+    order = sorted(positions)
+    cuts = [0, *[p + 1 for p in order]]
+    ends = [*order, len(values)]
+    return tuple(tuple(values[a:b]) for a, b in zip(cuts, ends, strict=True))
 
 
-def _call_one(ctx, stream, value):
-    launch_fn, grid_x, head, post = ctx
-    launch_fn(grid_x, 1, 1, stream, *head, value, *post)
+def _call_1(ctx, stream, v0):
+    fn, gx, head, s0, s1 = ctx
+    fn(gx, 1, 1, stream, *head, *s0, v0, *s1)
+
+
+def _call_2(ctx, stream, v0, v1):
+    fn, gx, head, s0, s1, s2, swap = ctx
+    if swap:
+        v0, v1 = v1, v0
+    fn(gx, 1, 1, stream, *head, *s0, v0, *s1, v1, *s2)
+
+
+def _call_n(ctx, stream, *values):
+    fn, gx, head, segments, order = ctx
+    args = [*segments[0]]
+    for i, seg in zip(order, segments[1:], strict=True):
+        args.append(values[i])
+        args += seg
+    fn(gx, 1, 1, stream, *head, *args)
+
+
+def _call_3(ctx, stream, v0, v1, v2):
+    fn, gx, head, s0, s1, s2, s3, a, b, c = ctx
+    v = (v0, v1, v2)
+    fn(gx, 1, 1, stream, *head, *s0, v[a], *s1, v[b], *s2, v[c], *s3)
+
+
+def _call_4(ctx, stream, v0, v1, v2, v3):
+    fn, gx, head, s0, s1, s2, s3, s4, a, b, c, d = ctx
+    v = (v0, v1, v2, v3)
+    fn(gx, 1, 1, stream, *head, *s0, v[a], *s1, v[b], *s2, v[c], *s3, v[d], *s4)
 
 
 def bind(compiled, fn, grid: Sequence[int], args: Mapping[str, Any], rebind: Sequence[str], *,
@@ -281,15 +309,24 @@ def bind(compiled, fn, grid: Sequence[int], args: Mapping[str, Any], rebind: Seq
     bound = Bound()
     bound.grid_x, bound.rebind = int(grid[0]), tuple(rebind)
     launch_fn, head = launch_head(compiled, direct)
-    # Triton's launch functions take every argument in parameter order (constexprs too; they skip them).
+    # Triton's launch functions take every argument in parameter order (constexprs too; they skip them). The
+    # bound values are cut into the runs between the rebound slots once, so a repeat call only splices.
     values = [v.data_ptr() if hasattr(v, "data_ptr") else v for v in positional(fn, args)]
     positions = [names.index(name) for name in rebind]
+    segments = _segments(values, positions)
+    # order[j]: which rebound value (in the caller's order) fills the j-th rebound slot in parameter order
+    order = tuple(sorted(range(len(positions)), key=positions.__getitem__))
+    head_ = (launch_fn, bound.grid_x, head)
     if len(positions) == 1:
-        p = positions[0]
-        bound.fn = _call_one
-        bound.ctx = (launch_fn, bound.grid_x, head + tuple(values[:p]), tuple(values[p + 1:]))
+        bound.fn, bound.ctx = _call_1, (*head_, *segments)
+    elif len(positions) == 2:
+        bound.fn, bound.ctx = _call_2, (*head_, *segments, order != (0, 1))
+    elif len(positions) == 3:
+        bound.fn, bound.ctx = _call_3, (*head_, *segments, *order)
+    elif len(positions) == 4:
+        bound.fn, bound.ctx = _call_4, (*head_, *segments, *order)
     else:
-        bound.fn, bound.ctx = _call, (launch_fn, bound.grid_x, head, tuple(values), tuple(positions))
+        bound.fn, bound.ctx = _call_n, (*head_, segments, order)
     return bound
 
 

@@ -34,9 +34,9 @@ class _Entry(StateCheck):
         returns a row-shaped packed tensor."""
         if type(packed) is not torch.Tensor:
             with _NO_TORCH_FUNCTION():
-                ptr, transpose = packed.data_ptr(), packed.shape[0] == 1
+                ptr, transpose = packed.data_ptr(), packed.size(0) == 1
         else:
-            ptr, transpose = packed.data_ptr(), packed.shape[0] == 1
+            ptr, transpose = packed.data_ptr(), packed.size(0) == 1
         if out is None:
             # cheaper to call than torch.empty(shape, dtype=, device=) and than new_empty (the strides are given)
             out = self.template.new_empty_strided(self.w.shape, self.strides)
