@@ -42,7 +42,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 NOMINAL_TFLOPS = 989.4  # NVIDIA's dense bf16/fp16 tensor-core figure for the H100 SXM and the H200
 HOST_MS = (1, 512)
 # a kernel's family, the `path` of result rows (paper.sections.linear groups the table's choices by it)
-PATHS = {"gemv": "gemv", "gemv_table": "gemv", "gemv_mma": "gemv", "gemm": "gemm", "gemm_word": "gemm",
+PATHS = {"gemv": "gemv", "gemv_table": "gemv", "gemv_mma": "gemv", "gemv_pair": "gemv", "gemm_word": "gemm",
          "dequant": "dequant"}
 
 # (block_r, warps, codebook, programs_per_sm); 32 bytes per row and step (half the blocksize of 64)
@@ -66,11 +66,9 @@ MMA_WK_GRID = [(w, wk, sb, 1, 8) for w in (4, 8, 16) for wk in (2, 4, 8, 16) if 
 # kernels; offline sm_90a builds spill nothing with 16-byte steps and 68 bytes with 32-byte ones.
 MMA_WK_REG_GRID = [(w, wk, sb, 1, 8) for w in (4, 8, 16) for wk in (4, 8, 16) if wk <= w for sb in (16, 32)]
 WK_MAXNREG = 64
-# (block_m, block_n, block_k, warps, stages, swap, codebook); block_k is capped at the blocksize (64 here)
-GEMM_GRID = [(16, 64, 64, 4, 1, True, 2), (16, 64, 64, 4, 1, True, 0), (16, 128, 64, 4, 1, True, 2),
-             (32, 64, 64, 4, 1, True, 2), (64, 64, 64, 4, 1, True, 2), (64, 128, 64, 4, 1, False, 2),
-             (128, 128, 64, 8, 1, False, 2), (128, 128, 64, 8, 1, False, 0), (128, 256, 64, 8, 1, False, 2),
-             (128, 128, 64, 4, 1, False, 2), (128, 64, 64, 4, 1, False, 2), (64, 256, 64, 8, 1, False, 2)]
+# (The grid of the gathering tl.dot kernel, nf4_gemm_kernel, forward and backward, left with that kernel: no GPU row
+# took it, and it is an experiment variant now, experiments/variants/linear/l10_gemm.py to l18 and l21; its sweeps
+# are in results/linear/tuning/ and git history.)
 
 # The word tl.dot kernel (kernel gemm_word: nf4_gemm_word_kernel, forward only):
 # (block_m, block_n, warps, stages, split_k, programs_per_sm); the decoded tile is tl.dot's first operand (swap; the
@@ -87,15 +85,15 @@ WORD_GRID += [
     (256, 64, 4, 3, 0, pps) for pps in (2, 3)]
 
 
-def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
-    """The tuning grid at M rows: GEMV shapes for M <= 8 and tensor-core GEMV shapes for M <= 32 (forward),
-    tl.dot tiles whose BLOCK_M suits M."""
+def sweep_configs(m: int) -> list[LinearConfig]:
+    """The tuning grid at M rows: GEMV shapes for M <= 8, tensor-core GEMV shapes for M <= 32, word tl.dot tiles
+    whose BLOCK_M suits M, and nf4.dequantize + cuBLAS."""
     out = []
-    if m <= 8 and not backward:
+    if m <= 8:
         out += [LinearConfig(kernel="gemv", block_r=r, num_warps=w, codebook=cb, programs_per_sm=p) if cb < 3
                 else LinearConfig(kernel="gemv_table", block_r=r, num_warps=w, programs_per_sm=p)
                 for r, w, cb, p in GEMV_GRID]
-    if m <= 32 and not backward:
+    if m <= 32:
         out += [LinearConfig(kernel="gemv_mma", block_r=16 * w, num_warps=w, step_bytes=sb,
                              programs_per_sm=p) for w, sb, p in MMA_GRID]
         out += [LinearConfig(kernel="gemv_mma", block_r=16 * w // wk, num_warps=w, warps_k=wk,
@@ -104,23 +102,16 @@ def sweep_configs(m: int, backward: bool = False) -> list[LinearConfig]:
                              step_bytes=sb, split_k=sk, programs_per_sm=p, maxnreg=WK_MAXNREG)
                 for w, wk, sb, sk, p in MMA_WK_REG_GRID]
     top = max(16, triton_next_pow2(m))
-    for bm, bn, bk, w, st, swap, cb in GEMM_GRID:
-        if backward and swap:
-            continue
-        if bm <= top and (m <= 64 or bm >= 64):
-            out.append(LinearConfig(kernel="gemm", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
-                                    swap=swap, codebook=cb))
-    if not backward:
-        out += [LinearConfig(kernel="gemm_word", block_m=bm, block_n=bn, block_k=64, num_warps=w, num_stages=st,
-                             swap=True, split_k=sk, programs_per_sm=pps) for bm, bn, w, st, sk, pps in WORD_GRID
-                if bm <= top and (m <= 64 or bm >= 64) and (m <= 128 or sk <= 2)]
-        out.append(LinearConfig(kernel="dequant"))  # nf4.dequantize + cuBLAS, what the fused tiles must beat
+    out += [LinearConfig(kernel="gemm_word", block_m=bm, block_n=bn, block_k=64, num_warps=w, num_stages=st,
+                         swap=True, split_k=sk, programs_per_sm=pps) for bm, bn, w, st, sk, pps in WORD_GRID
+            if bm <= top and (m <= 64 or bm >= 64) and (m <= 128 or sk <= 2)]
+    out.append(LinearConfig(kernel="dequant"))  # nf4.dequantize + cuBLAS, what the fused tiles must beat
     return out
 
 
 def _family(config: LinearConfig) -> str:
     """The --sweep-paths name of a config: gemv, mma (tensor-core GEMV), mma-wk (its warps splitting K; mma-wk-reg with
-    its registers capped), gemm, wgemm (the word tl.dot kernel)."""
+    its registers capped), wgemm (the word tl.dot kernel), dequant."""
     if config.kernel == "gemm_word":
         return "wgemm"
     if config.kernel == "gemv_mma" and config.warps_k > 1:
@@ -260,7 +251,7 @@ def time_call(call, count):
 
 
 def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=False, log=print, save=None,
-                 with_peers=True, sweep_paths=("gemv", "mma", "gemm")):
+                 with_peers=True, sweep_paths=("gemv", "mma")):
     """Rows for one weight at every M (`save(rows)` is called after each M: a cut-off run keeps them)."""
     import nf4
 
@@ -307,10 +298,9 @@ def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=Fa
         if sweep:
             for config in [c for c in sweep_configs(m) if _family(c) in sweep_paths]:
                 rows.append(_sweep_row(base, config, xid, want, xs, sets, wd, count, fl, log, backward=False))
-        if backward and m >= 16:
+        if backward and m >= 16:  # the table's backward (nf4.dequantize + cuBLAS, the only one) beside dense cuBLAS
             dys = [torch.randn((m, n), device="cuda", generator=gen).to(dtype) for _ in range(min(xcopies, 4))]
-            for config in [*sweep_configs(m, backward=True), None]:
-                rows.append(_backward_row(base, config, dys, sets, wd, count, log))
+            rows.append(_backward_row(base, None, dys, sets, wd, count, log))
             rows.append(_backward_dense_row(base, dys, dense, log))
         torch.cuda.empty_cache()
         if save is not None:
@@ -418,13 +408,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", nargs="+", type=int, default=MS)
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
     ap.add_argument("--sweep", action="store_true", help="also time every config of the tuning grid")
-    ap.add_argument("--backward", action="store_true", help="also time dY @ W (configs and the table's choice)")
+    ap.add_argument("--backward", action="store_true", help="also time dY @ W (the table's choice)")
     ap.add_argument("--sweep-shapes", nargs="+", default=None, help="restrict --sweep/--backward to these shapes")
     ap.add_argument("--sweep-dtypes", nargs="+", default=["bf16"])
     ap.add_argument("--no-peers", action="store_true", help="only nf4's sweep rows (tuning runs)")
-    ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "mma", "gemm"],
+    ap.add_argument("--sweep-paths", nargs="+", default=["gemv", "mma"],
                     help="config families to sweep (gemv, mma: the tensor-core GEMV, mma-wk: its warps splitting K, "
-                         "mma-wk-reg: the same with 64 registers per thread, gemm, wgemm: the word tl.dot kernel, "
+                         "mma-wk-reg: the same with 64 registers per thread, wgemm: the word tl.dot kernel, "
                          "dequant: nf4.dequantize + cuBLAS)")
     ap.add_argument("--out", default=os.path.join("build", "linear", "bench.json"))
     args = ap.parse_args(argv)

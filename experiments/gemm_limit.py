@@ -212,7 +212,7 @@ def probe_args(x, w, dense, out, config: linear_config.LinearConfig, part: str) 
     the validated weight `w` (real tensors, or meta ones for an offline build)."""
     m = x.shape[0]
     n, k = w.shape
-    split, seg = linear_launch.split_k(config, w, m, False, x.device)
+    split, seg = linear_launch.split_k(config, w, m, x.device)
     dummy = torch.zeros(16, dtype=torch.float32, device=x.device)
     mode, _, epilogue, nonempty = PROBES[part]
     args = {"x_ptr": x, "packed_ptr": w.packed, "dense_ptr": dense, "absmax_ptr": w.absmax,
@@ -297,7 +297,7 @@ def sass_mix(n: int, k: int, m: int, dtype, arch: int) -> dict:
                   torch.empty((), device=meta), (n, k), 64, dtype, True)
     x = torch.empty((m, k), dtype=dtype, device=meta)
     dense = torch.empty((n, k), dtype=dtype, device=meta)
-    launches = linear_launch.kernel_args(x, w, None, torch.empty((m, n), dtype=dtype, device=meta), m, False,
+    launches = linear_launch.kernel_args(x, w, None, torch.empty((m, n), dtype=dtype, device=meta), m,
                                          config, True, False, torch.empty(1, device=meta))
     fn, _, args, options = launches[0]
     builds = {"production": (fn, args, options)}

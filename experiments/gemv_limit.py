@@ -345,7 +345,7 @@ def sass_mix(n: int, k: int, dtype, config: linear_config.LinearConfig, arch: in
     w = NF4Weight(packed, torch.empty(16, dtype=torch.uint8), torch.empty(16), torch.empty(256), torch.empty(()),
                   (n, k), 64, dtype, True)
     (fn, grid, args, options), *_ = linear_launch.kernel_args(x, w, None, torch.empty((1, n), dtype=dtype), 1,
-                                                              False, config, True, False, None)
+                                                              config, True, False, None)
     out = {"arch": f"sm_{arch}", "weight": f"{n}x{k}", "dtype": str(dtype).removeprefix("torch."),
            "grid": list(grid), "loop_bytes_per_warp": 16 * 4 * args["HALF"],
            "production": {**_sass_of(fn, args, options, arch), "loop_bytes_per_warp": 16 * 4 * args["HALF"]}}

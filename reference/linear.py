@@ -3,8 +3,8 @@
 - `linear_float64`: the float64 product of exact weights, the oracle of the sum check.
 - `accumulation_bound` / `worst_ratio`: how far a float32 accumulation of K products, rounded once
   to the output dtype, may lie from that oracle, and the worst observed fraction of it.
-- `gemv_model`: the bit-exact model of `nf4.linear`'s GEMV forward (nf4_gemv_kernel with TRANS
-  False, then nf4_split_sum_kernel) as Triton's interpreter runs it; the model check.
+- `gemv_model`: the bit-exact model of `nf4.linear`'s GEMV forward (nf4_gemv_kernel, then
+  nf4_split_sum_kernel; nf4_gemv_table_kernel with word=4) as Triton's interpreter runs it; the model check.
 
 Weights enter as the operand's values (`nf4.dequantize(W).to(x.dtype)` widened to float32 or
 float64), so this module knows nothing of NF4 itself. Dtype names are those of `reference.format`
@@ -145,12 +145,12 @@ def gemv_model(x, w_operand, half: int, seg: int, bias=None, out_dtype="bfloat16
     x: float32 [M, K] holding the 16-bit values of x (bfloat16 bits: widen them first);
     w_operand: float32 [N, K] holding the operand (`nf4.dequantize(W).to(x.dtype)`); K even.
     half: bytes of a row per step (`min(blocksize // 2, config.step_bytes)`); seg: bytes of a row
-    per split (`nf4.linear.api.split_k(...)[1]`, a multiple of half; seg >= K / 2: no split).
+    per split (`nf4.linear.launch.split_k(...)[1]`, a multiple of half; seg >= K / 2: no split).
     bias: [N] float32 holding x's dtype's values, or None. block_r: rows of W per program (None:
     all N rows in one array; see below). Returns [M, N] in `out_dtype`: float16 values, or for
     bfloat16 the uint16 bit patterns (`reference.floats`), or float32.
 
-    The order (nf4_gemv_kernel, TRANS False): for each split s (bytes [s * seg, min((s + 1) * seg,
+    The order (nf4_gemv_kernel): for each split s (bytes [s * seg, min((s + 1) * seg,
     K / 2)) of every row), a float32 accumulator acc[BLOCK_M, rows, half] starts at +0; each step
     of `half` bytes from c0 does, per lane t (byte j = c0 + t, elements 2j and 2j + 1),
         acc = fma(w[n, 2j], x[m, 2j], acc);  acc = fma(w[n, 2j + 1], x[m, 2j + 1], acc)

@@ -7,7 +7,8 @@ emulator, and the kernel's assignment of weights to mma fragments, so that the o
   (`Shared`: bytes at a base address, like the CTA's window on sm_90: the first static variable at 0x400).
 - `fill_shared(mode, copies, base)`: the table `fill_table` writes, laid out by the same address formula.
 - `decode_word(mode, words, absmax, ...)`: the 4 pairs of 16-bit weights of 32-bit words, as the mode's asm
-  (and, for MODE 0, nf4.device's product_table + table_pairs asm) computes them, for lanes `lane`.
+  (and, for MODE 0, nf4.device's product_table + table_pairs asm) computes them, for lanes `lane`; for MODE 1
+  `pair_asm` may give another text with the same operands (nf4.linear.gemv_pair's, the product kernel).
 - `operand_matrix(mode, q, x_dtype, ...)`: for a whole weight, every (row n, column k of x) product the kernel
   forms, as [N, K] uint16 bits of the weight that meets x[:, k] in row n's output; each (n, k) must be formed
   exactly once (checked) by following the kernel's loop: program tiles, warps, lanes 4g + t, steps, words, the
@@ -177,9 +178,9 @@ def _x_dtype_name(x_dt: int) -> str:
 
 
 def decode_word(mode: int, words: np.ndarray, absmax: np.ndarray, lane: np.ndarray, x_dt: int = 2,
-                copies: int = 16, shared: Shared | None = None) -> np.ndarray:
+                copies: int = 16, shared: Shared | None = None, pair_asm=None) -> np.ndarray:
     """[..., 4] uint32 pairs of the words (uint32) with their blocks' absmax (float32), for lanes `lane`
-    (their table copy), by the mode's own asm text."""
+    (their table copy), by the mode's own asm text (MODE 1: `pair_asm(dtype)`'s where given)."""
     dtype = "bf16" if x_dt == 2 else "f16"
     words = np.asarray(words, dtype=np.uint64)
     absmax_bits = _bits(absmax)
@@ -196,7 +197,7 @@ def decode_word(mode: int, words: np.ndarray, absmax: np.ndarray, lane: np.ndarr
         x = lanebase << np.uint64(16 - K.pair_shift(copies))
         inputs = {"$4": words, "$5": lanebase, "$6": absmax_bits, "$7": x,
                   **{f"${8 + i}": np.uint64(c) for i, c in enumerate(consts[1:])}}
-        out = run_ptx(K.pair_asm(dtype), inputs, shared)
+        out = run_ptx((pair_asm or K.pair_asm)(dtype), inputs, shared)
     elif mode == 2:
         shared = shared or fill_shared(2, 1)
         out = run_ptx(K.level_prmt_asm(dtype), {"$4": words, "$5": np.uint64(shared.base), "$6": absmax_bits},
@@ -210,14 +211,16 @@ def decode_word(mode: int, words: np.ndarray, absmax: np.ndarray, lane: np.ndarr
 
 
 def operand_matrix(mode: int, q: NF4Quantized, x_dt: int = 2, copies: int = 16, prmt_words: int = 0,
-                   num_warps: int = 4, split: int = 1) -> np.ndarray:
+                   num_warps: int = 4, split: int = 1, *, pair_asm=None, ftz: bool = True) -> np.ndarray:
     """[N, K] uint16: the weight bits the kernel multiplies with x[:, k] for output row n, following its loop
-    (see the module doc); raises if a product is formed twice or never. Needs blocksize 64, K % 256 == 0."""
+    (see the module doc); raises if a product is formed twice or never. Needs blocksize 64, K % 256 == 0.
+    pair_asm: MODE 1's asm text by dtype (default the lab's; nf4.linear.gemv_pair's takes the same loop); ftz: the
+    absmax recovered with ftz (as the kernel's FTZ), the decode's own flush is its asm text's."""
     n_rows, k_cols = q.shape
     kb = k_cols // 2
     if q.blocksize != 64 or kb % K.STEP_BYTES:
         raise ValueError("the lab kernels take blocksize 64 and K a multiple of 256")
-    absmax = recover_absmax(q, ftz=True)
+    absmax = recover_absmax(q, ftz=ftz)
     packed = np.asarray(q.packed, dtype=np.uint8).reshape(-1)
     words_all = packed.view(np.uint32)
     shared = fill_shared(mode if mode else 1, copies if mode == 1 else 1) if mode else None
@@ -243,7 +246,8 @@ def operand_matrix(mode: int, q: NF4Quantized, x_dt: int = 2, copies: int = 16, 
                 pairs = {}
                 for r, rr in (("a", ra), ("b", rb)):
                     w = words_all[(rr * kb + byte0) // 4]
-                    pairs[r] = decode_word(0 if qw < prmt_words else mode, w, amax[r], lane, x_dt, copies, shared)
+                    pairs[r] = decode_word(0 if qw < prmt_words else mode, w, amax[r], lane, x_dt, copies, shared,
+                                           pair_asm)
                 # mma 1: a0 = pa[0] (row g, slots 2t, 2t+1) with b0 = x pair of byte0; a2 = pa[1] with b1 = byte0 + 1
                 # mma 2: the same with pairs 2, 3 (bytes byte0 + 2, + 3); a1 / a3: row g + 8 (pb)
                 for p in range(4):
@@ -262,9 +266,9 @@ def operand_matrix(mode: int, q: NF4Quantized, x_dt: int = 2, copies: int = 16, 
     return out
 
 
-def expected_operand(q: NF4Quantized, x_dt: int = 2) -> np.ndarray:
-    """dequantize_nf4(q, x dtype, ftz=True) as uint16 bits (W's dtype is x's in these kernels)."""
+def expected_operand(q: NF4Quantized, x_dt: int = 2, ftz: bool = True) -> np.ndarray:
+    """dequantize_nf4(q, x dtype, ftz) as uint16 bits (W's dtype is x's in these kernels)."""
     from reference.nf4 import dequantize_nf4
 
-    w = dequantize_nf4(q, _x_dtype_name(x_dt), ftz=True)
+    w = dequantize_nf4(q, _x_dtype_name(x_dt), ftz=ftz)
     return np.asarray(w).view(np.uint16).reshape(q.shape)

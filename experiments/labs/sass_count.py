@@ -12,8 +12,9 @@ weights (per thread) the loop decodes: `unit` is either that number or (opcode, 
 e.g. ("HMMA", 8 / NTILE) for the m16n8k16 GEMVs (a lane's share of a 16x16 A fragment is 8 weights, each used
 by NTILE tiles of x), which stays right when the compiler unrolls the loop.
 
-`BUILDS` names the launches this lab compares (the product's nf4_gemv_mma_kernel at its M = 1 config and each
-candidate of experiments.labs.kernels); `count_builds(names)` counts them, in a child process when Triton's
+`BUILDS` names the launches this lab compares (the product's nf4_gemv_mma_kernel at its M = 1 config, each
+candidate of experiments.labs.kernels, and the pair candidate as the product kernel nf4.linear.gemv_pair with the
+arguments nf4.linear launches it with); `count_builds(names)` counts them, in a child process when Triton's
 interpreter is on (an offline compile needs it off before triton is imported). Counts are of one thread's
 instruction stream: a warp issues each once for its 32 lanes, so "per weight" is per weight per thread.
 """
@@ -309,6 +310,40 @@ def _lab_kernel():
     return lab_gemv_kernel
 
 
+def _product_pair_kernel():
+    from nf4.linear.gemv_pair import nf4_gemv_pair_kernel
+
+    return nf4_gemv_pair_kernel
+
+
+_POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "uint8": "*u8"}
+
+
+def product_args(kernel: str = "gemv_pair", m: int = 1, dtype: str = "bf16", **fields):
+    """A callable giving the arguments nf4.linear's own launch builds (nf4.linear.launch.kernel_args, as on an
+    sm_80+ GPU: ASM on, split-K 2 as in baseline_args) for kernel `kernel` at M rows on the N_DEMO x K_DEMO
+    weight (blocksize 64, nested), pointers as type strings; evaluated when the build runs (it imports nf4)."""
+
+    def build() -> dict:
+        import torch
+
+        from nf4 import NF4Weight
+        from nf4.linear import LinearConfig, launch
+
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+        n, k = N_DEMO, K_DEMO
+        w = NF4Weight(torch.empty(64, dtype=torch.uint8), torch.empty(16, dtype=torch.uint8), torch.empty(16),
+                      torch.empty(256), torch.empty(()), (n, k), 64, dt, True)
+        config = LinearConfig(kernel=kernel, **{"split_k": 2, **fields})
+        (_, _, args, _), *_ = launch.kernel_args(torch.empty((m, k), dtype=dt), w, None,
+                                                  torch.empty((m, n), dtype=dt), m, config, True, False,
+                                                  torch.empty(1))
+        return {name: _POINTER[str(v.dtype).removeprefix("torch.")] if isinstance(v, torch.Tensor) else v
+                for name, v in args.items()}
+
+    return build
+
+
 # name -> (kernel getter, args, num_warps, unit, what it is)
 BUILDS = {
     "tiny": (_tiny_kernel, {"in_ptr": "*u32", "out_ptr": "*fp32", "n": 7, "ASM": TINY_ASM}, 4, ("FMUL", 1),
@@ -325,6 +360,10 @@ BUILDS = {
                   "(d) pair table, 4 of 8 words by prmt"),
     "pair16_m16": (_lab_kernel, lab_args("pair", ntile=2), 4, ("HMMA", 4), "(c) pair table, M <= 16 (2 tiles)"),
     "pair16_fp16": (_lab_kernel, lab_args("pair", dtype="fp16"), 4, ("HMMA", 8), "(c) pair table, fp16"),
+    "gemv_pair": (_product_pair_kernel, product_args(), 4, ("HMMA", 8),
+                  "nf4_gemv_pair_kernel (product, kernel gemv_pair): (c) as nf4.linear launches it, M = 1"),
+    "gemv_pair_m16": (_product_pair_kernel, product_args(m=16, dtype="fp16"), 4, ("HMMA", 4),
+                      "nf4_gemv_pair_kernel, M = 16 (2 tiles), fp16"),
 }
 DEFAULT_BUILDS = ("baseline", "prmt", "pair16", "pair8", "level_prmt", "level_imad", "pair16_p2", "pair16_p4",
                   "pair16_m16")
@@ -333,7 +372,7 @@ DEFAULT_BUILDS = ("baseline", "prmt", "pair16", "pair8", "level_prmt", "level_im
 def count_build(name: str, arch: int = 90) -> dict:
     getter, args, num_warps, unit, what = BUILDS[name]
     try:
-        out = count_sass(getter(), args, num_warps, unit, arch)
+        out = count_sass(getter(), args() if callable(args) else args, num_warps, unit, arch)
     except Exception as exc:  # a build that does not compile is a result too
         return {"build": name, "what": what, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     return {"build": name, "what": what, **out}

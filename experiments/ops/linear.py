@@ -24,9 +24,9 @@ identity rows picking rows of W, expected `scales[i] * W[rows[i], :] + 0.0` ([M,
 
 The offline sm_75 compile (experiments.sm75) asks this module for `meta_inputs(out_dtype)` (a
 14336x4096 weight, M = SM75_M) and `SM75_WEIGHT` (their description). Measured with Triton 3.9:
-nf4_gemm_kernel compiles for sm_75 in fp16 and in bf16 alike, because Triton lowers `tl.dot` to
-float32 FMAs there (no mma.sync in either dtype; a plain 64x64x32 `tl.dot` does the same, and gets
-mma.sync on sm_80), so a T4 would run the tl.dot variants without tensor cores.
+nf4_gemm_kernel (variants l10-l18, l21) compiles for sm_75 in fp16 and in bf16 alike, because Triton
+lowers `tl.dot` to float32 FMAs there (no mma.sync in either dtype; a plain 64x64x32 `tl.dot` does the
+same, and gets mma.sync on sm_80), so a T4 would run the tl.dot variants without tensor cores.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
 
 The operand is the dequantized weight bit for bit (`nf4.dequantize(W).to(x.dtype)`, what
 bitsandbytes' `matmul_4bit` fallback multiplies by); the sum is float32 (docs/FORMAT.md §10).
-Differentiable in x and bias (W frozen, as in QLoRA): the backward computes dY @ W with the tuned
-table's kernel for it (nf4.dequantize + cuBLAS on the GPUs measured).
+Differentiable in x and bias (W frozen, as in QLoRA): the backward computes dY @ W by nf4.dequantize
++ cuBLAS (the tuned table's backward row on every GPU measured; `launch_config` gives it to every backward).
 
 The repeat call is kept short: the op's one repeat-call cache (`CACHE`) keeps, per QuantState, what
 was checked (nf4.weight.StateCheck) and, for each (M, dtype, bias, direction, config, ftz) seen twice,
@@ -88,9 +88,16 @@ def _fused_ok(x, entry: _Entry, m: int) -> bool:
     return entry.fused and x.dtype in X_DTYPES and m * max(entry.N, entry.K) <= _INT32_LIMIT
 
 
+def _dequantized(packed, qs, ftz: bool) -> torch.Tensor:
+    """nf4.dequantize (with its own repeat-call cache) as W [N, K], also for a row-shaped packed tensor (whose
+    result nf4.dequantize returns transposed, as bitsandbytes does)."""
+    wt = dequantize(packed, qs, ftz=ftz)
+    return wt.t() if packed.shape[0] == 1 else wt
+
+
 def _dequant_run(x, packed, qs, bias, trans: bool, ftz: bool) -> torch.Tensor:
-    """nf4.dequantize (with its own repeat-call cache) into a scratch weight, then cuBLAS."""
-    return dense_product(x, dequantize(packed, qs, ftz=ftz), bias, trans)
+    """The dequantized weight in a scratch tensor, then cuBLAS."""
+    return dense_product(x, _dequantized(packed, qs, ftz), bias, trans)
 
 
 def run(x, packed, qs, entry: _Entry, bias, *, trans: bool = False, config: LinearConfig | None = None,
@@ -128,9 +135,9 @@ def run(x, packed, qs, entry: _Entry, bias, *, trans: bool = False, config: Line
     config = launch_config(config, w, x2, m, trans)
     if config.kernel == "dequant":  # a tuned kernel's fallback
         return _dequant_run(x2, packed, qs, bias, trans, ftz).reshape(*lead, n_out)
-    split, _ = split_k(config, w, m, trans, x.device)
+    split, _ = split_k(config, w, m, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
-    launches = kernel_args(x2, w, bias, out, m, trans, config, ftz, runtime.interpreting(x.device), part)
+    launches = kernel_args(x2, w, bias, out, m, config, ftz, runtime.interpreting(x.device), part)
     compiled = [runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
                 for fn, grid, args, options in launches]
     if compiled[0] is not None and config.plan and not runtime.hooks_active() and all(
@@ -177,7 +184,7 @@ def _run_plan(plan, x2, packed, bias, m: int, device_index: int, out) -> torch.T
 
 
 class _LinearFn(torch.autograd.Function):
-    """x -> x @ W^T + bias with W frozen; backward dY @ W with the tuned table's kernel for it."""
+    """x -> x @ W^T + bias with W frozen; backward dY @ W by nf4.dequantize + cuBLAS (`run(trans=True)`)."""
 
     @staticmethod
     def forward(ctx, x, bias, packed, qs, entry, config, ftz):
@@ -202,7 +209,7 @@ def _forward(x, packed, qs, entry, bias, config, ftz):
     if _fused_ok(x, entry, math.prod(x.shape[:-1])):
         return run(x, packed, qs, entry, bias, config=config, ftz=ftz)
     # not fused: blocks that straddle rows, float32 x, or more than 2**31 elements of x or out
-    return torch.nn.functional.linear(x, dequantize(packed, qs, ftz=ftz).to(x.dtype), bias)
+    return torch.nn.functional.linear(x, _dequantized(packed, qs, ftz).to(x.dtype), bias)
 
 
 def _repeat(x, packed, qs, entry: _Entry, bias):
@@ -308,7 +315,7 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
         from .ops import linear_op
 
         if not _fused_ok(x, entry, math.prod(x.shape[:-1])):
-            return torch.nn.functional.linear(x, dequantize(packed, qs, ftz=ftz).to(x.dtype), bias)
+            return torch.nn.functional.linear(x, _dequantized(packed, qs, ftz).to(x.dtype), bias)
         return linear_op(x, entry.w.with_packed(packed), bias, ftz)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearFn.apply(x, bias, packed, qs, entry, config, ftz)

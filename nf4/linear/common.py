@@ -16,15 +16,6 @@ from ..device import absmax_of_block, high_nibble, low_nibble, mul, nf4_level, o
 
 
 @triton.jit
-def load_bytes(packed_ptr, rows, row_ok, c0, KB, end, HALF: tl.constexpr, EVICT: tl.constexpr):
-    """Bytes c0 .. c0 + HALF of W's `rows` (rows of KB bytes) as [R, HALF] uint8; zeros from byte `end`
-    of a row on and in rows past the weight."""
-    j = c0 + tl.arange(0, HALF)
-    ok = row_ok[:, None] & (j < end)[None, :]
-    return tl.load(packed_ptr + rows[:, None] * KB + j[None, :], mask=ok, other=0, eviction_policy=EVICT)
-
-
-@triton.jit
 def load_row_bytes(packed_ptr, rows, row_ok, c0, KB, HALF: tl.constexpr, EVICT: tl.constexpr):
     """Bytes c0 .. c0 + HALF (inside the row) of W's `rows` as [R, HALF] uint8; zeros in rows past the weight."""
     j = c0 + tl.arange(0, HALF)
@@ -63,18 +54,6 @@ def split_pairs(pair, X_DT: tl.constexpr):
     else:
         even = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         odd = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return even, odd
-
-
-@triton.jit
-def split_pairs16(pair, X_DT: tl.constexpr):
-    """uint32 pairs of 16-bit x values -> (even, odd) in x's dtype (bit moves only)."""
-    if X_DT == 2:
-        dt = tl.bfloat16
-    else:
-        dt = tl.float16
-    even = (pair & 0xFFFF).to(tl.uint16).to(dt, bitcast=True)
-    odd = (pair >> 16).to(tl.uint16).to(dt, bitcast=True)
     return even, odd
 
 

@@ -1,13 +1,14 @@
 """The fused linear's meta-parameters as a frozen value, checked when it is built.
 
-A config names the kernel it runs (`kernel`, one of KERNELS; nf4.linear.launch maps each name to
-its @triton.jit function):
+A config names the kernel it runs (`kernel`, one of KERNELS; nf4.linear.launch.KERNELS maps each name
+but "dequant" to its kernel file, and a test checks that the two agree):
 - "gemv": nf4_gemv_kernel (float32 FMAs, no tensor cores; `codebook` picks its level lookup);
 - "gemv_table": nf4_gemv_table_kernel (each absmax block's 16 products looked up with prmt; M <= 4);
 - "gemv_mma": nf4_gemv_mma_kernel (the same decode, products on tensor cores; M <= 32);
-- "gemm": nf4_gemm_kernel (tl.dot on a decoded tile; `codebook` picks its level lookup);
-- "gemm_word": nf4_gemm_word_kernel (the prmt decode feeding tl.dot; forward, M = 17-256);
-- "dequant": `nf4.dequantize` into a scratch weight, then cuBLAS.
+- "gemm_word": nf4_gemm_word_kernel (the prmt decode feeding tl.dot; M = 17-256);
+- "gemv_pair": nf4_gemv_pair_kernel (the tensor-core GEMV decoding through a shared table of level pairs; M <= 16;
+  in no tuned row);
+- "dequant": `nf4.dequantize` into a scratch weight, then cuBLAS (every backward takes it).
 The tuned choice per GPU and M is data (`tuned.json`, read by nf4.linear.tuned).
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..runtime import check_fields
 
-KERNELS = ("gemv", "gemv_table", "gemv_mma", "gemm", "gemm_word", "dequant")
+KERNELS = ("gemv", "gemv_table", "gemv_mma", "gemm_word", "gemv_pair", "dequant")
 EVICTIONS = ("", "evict_first", "evict_last", "evict_normal")  # Triton's eviction policies
 
 
@@ -30,26 +31,24 @@ class LinearConfig:
     """Meta-parameters of nf4.linear's kernels and the kernel that runs."""
 
     kernel: str = "gemv"
-    # gemv kernels: rows of W per program (forward) or per step (backward), and bytes of a row per step
-    # (forward) or per program (backward), capped at half the blocksize (one absmax per row and step)
+    # gemv kernels: rows of W per program, and bytes of a row per step, capped at half the blocksize (one
+    # absmax per row and step)
     block_r: int = 32
     step_bytes: int = 32
-    # gemv forward and gemm_word: programs along K (split-K; partial sums in float32, summed in order by a
+    # gemv kernels and gemm_word: programs along K (split-K; partial sums in float32, summed in order by a
     # second kernel); 0 picks enough for programs_per_sm programs per multiprocessor (1 in the interpreter)
     split_k: int = 0
     programs_per_sm: int = 8
-    # gemm kernels: output tile, K step (weights; capped at the blocksize), programs along M that share a W
-    # tile, pipeline stages
+    # gemm_word: output tile, K step (weights; 32 or 64, capped at the blocksize), programs along M that share a
+    # W tile, pipeline stages
     block_m: int = 64
     block_n: int = 128
     block_k: int = 128
     group: int = 8
-    swap: bool = False  # forward: out^T = W @ x^T, the decoded tile as tl.dot's first operand (small M)
-    # gemm: programs per multiprocessor that loop over the output tiles (persistent); 0: one program per tile
-    persistent: int = 0
+    swap: bool = False  # out^T = W @ x^T, the decoded tile as tl.dot's first operand (small M)
     num_stages: int = 3
     num_warps: int = 4
-    codebook: int = 2  # gemv and gemm: 0 16-entry table gather, 1 select tree, 2 256-entry table of level pairs
+    codebook: int = 2  # gemv: 0 16-entry table gather, 1 select tree, 2 256-entry table of level pairs
     # gemv_mma: warps of a program that share each 16-row group and split the program's K range (their sums
     # added in the program); block_r must then be 16 * num_warps / warps_k
     warps_k: int = 1
@@ -66,9 +65,6 @@ class LinearConfig:
         for name in ("block_r", "step_bytes", "block_m", "block_n", "block_k", "group", "warps_k"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"LinearConfig.{name} must be a power of two, got {getattr(self, name)}")
-        if self.persistent < 0:
-            raise ValueError(f"LinearConfig.persistent must be >= 0 (programs per multiprocessor), got "
-                             f"{self.persistent}")
         if self.split_k < 0 or self.programs_per_sm < 1:
             raise ValueError(f"LinearConfig: split_k must be >= 0 and programs_per_sm >= 1, got {self.split_k}, "
                              f"{self.programs_per_sm}")

@@ -1,4 +1,5 @@
-"""`nf4_gemm_word_kernel`: the word GEMV's prmt decode feeding tl.dot (wgmma on Hopper), M = 17-256.
+"""`nf4_gemm_word_kernel`: the word GEMV's prmt decode feeding tl.dot (wgmma on Hopper), M = 17-256, and its
+launches (kernel "gemm_word").
 
 A thread decodes one row's 64-weight step into tl.dot's first operand (SWAP: out^T = W @ x^T); split-K over
 programs with float32 partials summed in order by nf4_split_sum_kernel.
@@ -10,7 +11,10 @@ import triton
 import triton.language as tl
 
 from ..device import absmax_of_block, product_table, round_to, table_pairs, widen
+from ..weight import NF4Weight
+from .call import Call, aligned, packs_16bit, split_by, with_split_sum
 from .common import dot, grouped, word_pairs
+from .config import LinearConfig
 
 
 @triton.jit
@@ -110,3 +114,39 @@ def nf4_gemm_word_kernel(
         if HAS_BIAS:
             acc = acc + widen(tl.load(bias_ptr + rows, mask=row_ok, other=0.0), BF16_BITS)[None, :]
         tl.store(out_ptr + m[:, None] * N + rows[None, :], round_to(acc, X_DT, BF16_BITS), mask=ok)
+
+
+def runnable(config: LinearConfig, w: NF4Weight, x, m: int) -> bool:
+    """W's dtype is x's, steps of 32 or 64 weights, 4-byte aligned packed bytes, sm_80+ or the interpreter."""
+    return w.dtype == x.dtype and w.blocksize >= 32 and packs_16bit(w.packed.device) and aligned(w.packed, 4)
+
+
+def block_k(config: LinearConfig, w: NF4Weight) -> int:
+    """Weights of a row per step: 64 or 32, at most the blocksize."""
+    return min(64, config.block_k, w.blocksize)
+
+
+def split(config: LinearConfig, w: NF4Weight, m: int, sms: int | None) -> tuple[int, int]:
+    """Auto (split_k 0): the split nearest programs_per_sm programs per multiprocessor, at least 4 steps each
+    (1 off the GPU: sms None)."""
+
+    def auto(steps: int) -> int:
+        if sms is None:
+            return 1
+        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(w.shape[0], config.block_n)
+        want = config.programs_per_sm * sms
+        return max(1, min((want + tiles // 2) // tiles, steps // 4))
+
+    return split_by(config, w, block_k(config, w) // 2, auto)
+
+
+def launches(call: Call) -> list[tuple]:
+    config, w, m = call.config, call.w, call.m
+    parts, seg = split(config, w, m, call.sms)
+    args = {**call.args, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k(config, w),
+            "GROUP": config.group, "SWAP": config.swap, "SPLIT": parts, "SEG": seg, "PARTIAL": parts > 1,
+            "DOT_F32": call.interpreting}
+    del args["CODEBOOK"], args["W_DT"]
+    grid = (parts * triton.cdiv(m, config.block_m) * triton.cdiv(w.shape[0], config.block_n),)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return with_split_sum((nf4_gemm_word_kernel, grid, args, options), parts, call)

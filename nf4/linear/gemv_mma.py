@@ -1,4 +1,5 @@
-"""`nf4_gemv_mma_kernel`: the word GEMV with its products on tensor cores (PTX mma.sync m16n8k16), M <= 32.
+"""`nf4_gemv_mma_kernel`: the word GEMV with its products on tensor cores (PTX mma.sync m16n8k16), M <= 32, and
+its launches (kernel "gemv_mma").
 
 The decode is the word GEMV's (product table per absmax block, prmt lookups); the decoded pairs are the A
 operand (16 rows of W per warp: lane 4g + t decodes rows g and g + 8), x's matching pairs the B operand (its
@@ -12,6 +13,12 @@ import triton
 import triton.language as tl
 
 from ..device import absmax_of_block, load_v4, mma_16x8x16, product_table, round_to, table_pairs, widen
+from ..weight import NF4Weight
+from .call import Call, aligned, gemv_options, gemv_split, packs_16bit, with_split_sum
+from .config import LinearConfig
+
+MMA_MAX_M = 32  # rows of x the kernel takes: up to 4 tiles of B's 8 columns
+SIMPLER = "gemv_table"  # what runs a config of this shape where this kernel cannot (launch.launch_config)
 
 
 @triton.jit
@@ -273,3 +280,34 @@ def nf4_gemv_mma_kernel(
                         pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
         _mma_store_tile(c30, c31, c32, c33, c34, c35, c36, c37, 24, out_ptr, bias_ptr, row_a, row_b, t, row0, M, N,
                         pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS, GROUPS, WARPS_K)
+
+
+def runnable(config: LinearConfig, w: NF4Weight, x, m: int) -> bool:
+    """CUDA sm_80+, M <= 32, W's dtype is x's, x contiguous, x and the packed bytes 16-byte aligned, rows of whole
+    steps."""
+    packed = w.packed
+    half = min(w.blocksize // 2, config.step_bytes, 32)
+    return (m <= MMA_MAX_M and w.dtype == x.dtype and packed.device.type == "cuda"
+            and packs_16bit(packed.device) and half % 16 == 0 and (w.shape[1] // 2) % (4 * half) == 0
+            and x.is_contiguous() and aligned(x, 16) and aligned(packed, 16))
+
+
+def step(config: LinearConfig, w: NF4Weight) -> int:
+    """Bytes of a row per step: 4 lanes' worth (4 * min(one absmax block, step_bytes, 32))."""
+    return 4 * min(w.blocksize // 2, config.step_bytes, 32)
+
+
+def split(config: LinearConfig, w: NF4Weight, m: int, sms: int | None) -> tuple[int, int]:
+    return gemv_split(config, w, sms, step(config, w))
+
+
+def launches(call: Call) -> list[tuple]:
+    config, w, m = call.config, call.w, call.m
+    parts, seg = split(config, w, m, call.sms)
+    args = {**call.args, "SPLIT": parts, "SEG": seg, "PARTIAL": parts > 1, "THREADS": 32 * config.num_warps,
+            "HALF": step(config, w) // 4, "NTILE": triton.next_power_of_2(triton.cdiv(m, 8)),  # 8-row tiles of x
+            "WARPS_K": config.warps_k, "zero_ptr": call.dummy}  # dummy: zeros, enough for a step of x
+    for name in ("CODEBOOK", "W_DT", "ASM", "EVICT"):
+        del args[name]
+    grid = (triton.cdiv(w.shape[0], config.block_r) * parts,)
+    return with_split_sum((nf4_gemv_mma_kernel, grid, args, gemv_options(config)), parts, call)

@@ -1,4 +1,4 @@
-"""`nf4_gemv_table_kernel`: the word GEMV (x of at most 4 rows).
+"""`nf4_gemv_table_kernel`: the word GEMV (x of at most 4 rows), and its launches (kernel "gemv_table").
 
 W read as 32-bit words; each absmax block's 16 products NF4[c] * absmax, rounded to x's dtype, are built once
 per row and step (nf4.device.product_table) and each byte's two weights looked up with prmt
@@ -11,7 +11,13 @@ import triton
 import triton.language as tl
 
 from ..device import absmax_of_block, product_table, round_to, table_pairs, widen
+from ..weight import NF4Weight
+from .call import Call, aligned, gemv_options, gemv_split, packs_16bit, with_split_sum
 from .common import split_pairs, word_pairs
+from .config import LinearConfig
+
+TABLE_MAX_M = 4  # rows of x the kernel takes
+SIMPLER = "gemv"  # what runs a config of this shape where this kernel cannot (launch.launch_config)
 
 
 @triton.jit
@@ -135,3 +141,30 @@ def nf4_gemv_table_kernel(
     if BLOCK_M > 2:
         _store_row(acc2, out_ptr, bias_ptr, rows, row_ok, 2, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
         _store_row(acc3, out_ptr, bias_ptr, rows, row_ok, 3, M, N, pid_k, PARTIAL, HAS_BIAS, X_DT, BF16_BITS)
+
+
+def runnable(config: LinearConfig, w: NF4Weight, x, m: int) -> bool:
+    """W's dtype is x's, 4-byte aligned packed bytes, a step of whole 16-byte tiles, M <= 4, sm_80+ or the
+    interpreter."""
+    half = min(w.blocksize // 2, config.step_bytes)
+    return (m <= TABLE_MAX_M and w.dtype == x.dtype and packs_16bit(w.packed.device) and aligned(w.packed, 4)
+            and half % 16 == 0)
+
+
+def step(config: LinearConfig, w: NF4Weight) -> int:
+    """Bytes of a row per step: one absmax block at most (a split's length is a whole number of steps)."""
+    return min(w.blocksize // 2, config.step_bytes)
+
+
+def split(config: LinearConfig, w: NF4Weight, m: int, sms: int | None) -> tuple[int, int]:
+    return gemv_split(config, w, sms, step(config, w))
+
+
+def launches(call: Call) -> list[tuple]:
+    config, w = call.config, call.w
+    parts, seg = split(config, w, call.m, call.sms)
+    args = {**call.args, "BLOCK_M": triton.next_power_of_2(call.m), "BLOCK_R": config.block_r,
+            "HALF": min(step(config, w), 32), "SPLIT": parts, "SEG": seg, "PARTIAL": parts > 1}
+    del args["CODEBOOK"], args["W_DT"]
+    grid = (triton.cdiv(w.shape[0], config.block_r) * parts,)
+    return with_split_sum((nf4_gemv_table_kernel, grid, args, gemv_options(config)), parts, call)

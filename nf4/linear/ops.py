@@ -19,7 +19,7 @@ from .. import runtime
 from ..dequant.launch import launch as dequant_launch
 from ..traced import traced_tables
 from ..weight import NF4Weight
-from .launch import dense_product, kernel_args, launch_config, split_k
+from .launch import dense_product, kernel_args, launch_config, level_pairs, split_k
 from .tuned import tuned
 
 
@@ -64,11 +64,11 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2
         return torch.ops.nf4.dequantize_matmul_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k,
                                                       blocksize, w_dtype, ftz, trans)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    split, _ = split_k(config, w, m, trans, x.device)
+    split, _ = split_k(config, w, m, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
-    table = code_pairs if config.codebook == 2 and config.kernel in ("gemv", "gemm") else code
-    for fn, grid, args, options in kernel_args(x, w, bias, out, m, trans, config, ftz,
-                                               runtime.interpreting(x.device), part, code=table, dummy=dummy):
+    table = code_pairs if level_pairs(config) else code
+    for fn, grid, args, options in kernel_args(x, w, bias, out, m, config, ftz, runtime.interpreting(x.device),
+                                               part, code=table, dummy=dummy):
         wrap_triton(fn)[grid](**args, **options)
     return out
 

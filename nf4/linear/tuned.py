@@ -30,7 +30,6 @@ WORD_GEMM64 = CONFIGS["WORD_GEMM64"]
 WORD_GEMM128 = CONFIGS["WORD_GEMM128"]
 WORD_GEMM128_W8 = CONFIGS["WORD_GEMM128_W8"]
 WORD_GEMM256 = CONFIGS["WORD_GEMM256"]
-GEMM = CONFIGS["GEMM"]
 DEQUANT = CONFIGS["DEQUANT"]
 DEFAULT_GPU: str = DATA["default_gpu"]
 
@@ -46,7 +45,6 @@ TUNED: dict[str, dict[str, Rows]] = {
 INTERPRETER: dict[str, Rows] = {d: _rows(r) for d, r in DATA["interpreter"].items()}
 FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
     CONFIGS[name]: CONFIGS[v] if isinstance(v, str) else _rows(v) for name, v in DATA["fallback"].items()}
-INTERPRET_PROGRAMS = 3  # programs of a persistent gemm in Triton's interpreter (several tiles each on small cases)
 
 
 def pick(rows: Rows, m: int) -> LinearConfig:

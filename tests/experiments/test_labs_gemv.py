@@ -117,3 +117,84 @@ def test_sass_counter_on_a_compiled_loop(tiny_build):
     ops = r["opcodes"]
     assert ops.get("PRMT", 0) == 2 * r["weights"] and ops.get("FMUL", 0) + ops.get("FMUL.FTZ", 0) == r["weights"]
     assert r["per_weight"]["alu"] >= 2 and r["per_weight"]["fp32"] == 1
+
+
+# --- the pair candidate as a product kernel: nf4/linear/gemv_pair.py (kernel "gemv_pair") -------------------------
+
+
+def plain_weight(n: int, k: int, dtype: str, seed: int) -> NF4Quantized:
+    """Seeded random packed bytes with a float32 absmax per block of 64 (no double quantization), some of them
+    near the float32 subnormals."""
+    rng = np.random.default_rng(seed)
+    absmax = rng.uniform(0.01, 3.0, n * k // 64).astype(np.float32)
+    absmax[::3] = np.float32(2e-38)
+    return NF4Quantized(packed=rng.integers(0, 256, n * k // 2, dtype=np.uint8), shape=(n, k), dtype=dtype,
+                        blocksize=64, absmax=absmax)
+
+
+PAIR_CASES = [  # (dtype, ftz, double quant, tiny scales, split, warps)
+    ("bfloat16", True, True, False, 1, 4), ("float16", True, True, True, 2, 4), ("bfloat16", False, True, True, 1, 8),
+    ("float16", False, False, False, 1, 4), ("bfloat16", True, False, False, 3, 2), ("bfloat16", False, False, False,
+                                                                                     2, 4),
+]
+
+
+@pytest.mark.parametrize("dtype, ftz, nested, tiny, split, warps", PAIR_CASES)
+def test_product_pair_asm_decodes_the_reference_operand(dtype, ftz, nested, tiny, split, warps):
+    """nf4.linear.gemv_pair's own asm text (FTZ: mul.rn.ftz.f32, else mul.rn.f32), run by the lab's PTX emulator
+    along the kernel's loop (experiments.labs.models.operand_matrix), gives reference.dequantize_nf4's operand
+    (ftz as the call's) bit for bit, every weight formed once; seeded weights of 80 rows (a partial row block)."""
+    from nf4.linear import gemv_pair
+
+    seed = 1000 + PAIR_CASES.index((dtype, ftz, nested, tiny, split, warps))
+    q = random_weight(80, 512, dtype, seed=seed, tiny=tiny) if nested else plain_weight(80, 512, dtype, seed)
+    got = models.operand_matrix(1, q, X_DT[dtype], gemv_pair.COPIES, num_warps=warps, split=split,
+                                pair_asm=lambda d: gemv_pair.pair_asm(d, ftz), ftz=ftz)
+    want = models.expected_operand(q, X_DT[dtype], ftz=ftz)
+    assert (got == want).all(), f"{int((got != want).sum())} weights differ"
+    if dtype == "bfloat16" and (tiny or not nested):
+        # bfloat16 keeps float32's subnormals (float16 rounds them to zero either way): the flush shows in these
+        # weights, and the other text gives other bits (the check can fail)
+        other = models.operand_matrix(1, q, X_DT[dtype], gemv_pair.COPIES, num_warps=warps, split=split,
+                                      pair_asm=lambda d: gemv_pair.pair_asm(d, not ftz), ftz=ftz)
+        assert (other != want).any()
+
+
+def test_product_pair_kernel_is_the_labs_pair_mode():
+    """The product kernel's texts and table are the lab's pair mode with 16 copies: the same asm (FTZ), the same
+    address arithmetic, the kernel's constexprs those texts, one line each (Inductor copies constexpr globals)."""
+    from nf4.linear import gemv_pair
+
+    assert gemv_pair.COPIES == 16 and gemv_pair.pair_shift() == K.pair_shift(16)
+    assert gemv_pair.pair_constants(16, 0x400) == K.pair_constants(16, 0x400)
+    for dtype in ("bf16", "f16"):
+        assert gemv_pair.pair_asm(dtype) == K.pair_asm(dtype)
+        assert gemv_pair.pair_asm(dtype, ftz=False) == K.pair_asm(dtype).replace("mul.rn.ftz.f32", "mul.rn.f32")
+    assert gemv_pair.PAIR_BF16.value == gemv_pair.pair_asm("bf16") and gemv_pair.PAIR_F16.value == K.pair_asm("f16")
+    assert gemv_pair.PAIR_BF16_IEEE.value == gemv_pair.pair_asm("bf16", ftz=False)
+    assert gemv_pair.PAIR_F16_IEEE.value == gemv_pair.pair_asm("f16", ftz=False)
+    assert gemv_pair.DECLARE_PAIRS.value.replace(gemv_pair.PAIR_TABLE, K.PAIR_TABLE) == K.DECLARE_PAIRS_16.value
+    for text in (gemv_pair.PAIR_BF16, gemv_pair.PAIR_F16_IEEE, gemv_pair.DECLARE_PAIRS, gemv_pair.ST_V2):
+        assert "\n" not in text.value
+
+
+@pytest.fixture(scope="module")
+def pair_builds():
+    """Offline sm_90 builds of the product's nf4_gemv_pair_kernel (the arguments nf4.linear.launch.kernel_args
+    gives it, M = 1 bf16 and M = 16 fp16) and of the lab's pair16."""
+    from experiments.labs import sass_count as sc
+
+    return {r["build"]: r for r in sc.count_builds(["gemv_pair", "gemv_pair_m16", "pair16"])}
+
+
+def test_product_pair_kernel_builds_for_sm90(pair_builds):
+    """nf4/linear/gemv_pair.py compiles for sm_90 with its own launch's arguments: no local memory, its 32 KiB
+    table in static shared memory, 4 conflict-free LDS.64 per 8 weights, and at M = 1 the lab pair16's main loop
+    opcode for opcode (the same registers)."""
+    product, lab, m16 = pair_builds["gemv_pair"], pair_builds["pair16"], pair_builds["gemv_pair_m16"]
+    for r in (product, lab, m16):
+        assert "error" not in r, r.get("error")
+        assert r["local"] == 0 and r["static_shared"] >= 256 * 8 * 16, r
+        assert r["per_weight"]["shared_wavefronts"] == 1.0 and r["opcodes"].get("LDS.64", 0) == r["weights"] // 2
+    assert product["opcodes"] == lab["opcodes"] and product["registers"] == lab["registers"]
+    assert m16["per_weight"]["tensor"] == 2 * product["per_weight"]["tensor"]  # two 8-row tiles of x per word

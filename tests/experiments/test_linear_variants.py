@@ -9,6 +9,11 @@
 - The check has teeth: a wrong element, an unwritten element and a -0.0 for +0.0 are caught.
 - The word GEMV variants (kernel "gemv_table", l06-l08) launch nf4_gemv_table_kernel on every slice of x (the
   launches recorded), and refuse a product where nf4.linear would take the codebook-0 GEMV instead.
+- The tl.dot kernel that left nf4.linear (nf4_gemm_kernel, `variants/linear/_gemm_kernel.py`: l10-l18, and l21's
+  fused backward) launches as the product launched it (frozen_gemm_launches.json, captured before the move) and
+  keeps the checks it had there: operand-exact forward and backward (TRANS) at every blocksize up to 256, x
+  float16 / bfloat16 against weights of three dtypes and storages, swapped and persistent grids, bfloat16
+  subnormal weights and activations, ftz's flush; a persistent grid writes every tile; the float32 sum bound.
 - The tensor-core word GEMV variants (l30-l36) are GPU only (listed as skipped by the interpreter run);
   they refuse the fallback nf4.linear would launch (their launches on a GPU: results/linear/
   experiments_gpu_*.json), and their auto split-K is auto_split's.
@@ -30,6 +35,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +43,7 @@ import torch
 from experiments import common, ops, registry, runner
 from experiments.ops import linear as linear_op
 from experiments.registry import Variant
+from experiments.variants.linear import _gemm_kernel as gemm_kernel
 from experiments.variants.linear.l30_gemv_mma import MMA, MMA8
 from nf4.linear import launch as linear_launch
 from nf4.linear import tuned as linear_tuned
@@ -378,7 +385,7 @@ for name, cfg in configs.items():
                                                  triton.cdiv(k // 2, launch.gemv_step(cfg, w)),
                                                  cfg.programs_per_sm * T4_SMS)
         (fn, _, args, options), *_ = launch.kernel_args(
-            torch.empty((1, k), dtype=dt), w, None, torch.empty((1, n), dtype=dt), 1, False,
+            torch.empty((1, k), dtype=dt), w, None, torch.empty((1, n), dtype=dt), 1,
             cfg.with_(split_k=split), True, False, torch.empty(split * n))
         spec = sm75.source_spec(fn, runtime.positional(fn, args), {**options, "enable_fp_fusion": True})
         for arch in (75, 80):
@@ -425,3 +432,211 @@ def test_word_gemv_needs_sm80():
             assert "error" not in r and r["cvt_x2"] >= 8 and r["prmt"] > 0, (key, r)
             assert (r["mma"] >= 8) == mma, (key, r)
             assert (r["bar"] > 0) == (" mma-warps_k " in key), (key, r)  # only the warps' sum synchronises
+
+
+# --- the tl.dot kernel that left nf4.linear (nf4_gemm_kernel: l10-l18, l21) --------------------------------------
+
+FROZEN_GEMM = json.loads((Path(__file__).with_name("frozen_gemm_launches.json")).read_text())
+_DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _stand_in_weight(name: str):
+    from nf4 import NF4Weight
+
+    n, k, blocksize, nested, dtype = FROZEN_GEMM["weights"][name]
+    blocks = n * k // blocksize
+    packed = torch.zeros(n * k // 2, 1, dtype=torch.uint8)
+    state = ((torch.zeros(blocks, dtype=torch.uint8), torch.zeros(-(-blocks // 256)), torch.zeros(256),
+              torch.zeros(())) if nested else (torch.zeros(blocks), None, None, None))
+    return NF4Weight(packed, *state, (n, k), blocksize, _DT[dtype], nested)
+
+
+@pytest.mark.parametrize("i", range(len(FROZEN_GEMM["cases"])))
+def test_gemm_kernel_launches_as_the_product_did(i):
+    """_gemm_kernel.launches builds the launches nf4.linear.launch.kernel_args built for kernel "gemm" (captured
+    before the move, stand-in tensors named by role)."""
+    from nf4 import runtime
+
+    case = FROZEN_GEMM["cases"][i]
+    w = _stand_in_weight(case["weight"])
+    n, k = w.shape
+    m, dtype, trans = case["m"], _DT[case["x"]], case["trans"]
+    x = torch.zeros(m, n if trans else k, dtype=dtype)
+    out = torch.zeros(m, k if trans else n, dtype=dtype)
+    bias = torch.zeros(n, dtype=dtype) if case["bias"] else None
+    cpu = torch.device("cpu")
+    roles = {"x": x, "packed": w.packed, "absmax": w.absmax, "absmax2": w.absmax2, "code2": w.code2,
+             "offset": w.offset, "out": out, "bias": bias, "levels": runtime.level_table(cpu),
+             "level_pairs": runtime.level_table(cpu, pairs=True), "dummy": runtime.stand_in(cpu)}
+    names = {id(t): role for role, t in roles.items() if t is not None}
+    fields = {f: v for f, v in case["fields"].items() if f != "kernel"}
+    got = gemm_kernel.launches(x, w, bias, out, m, trans, gemm_kernel.GemmConfig(**fields), case["ftz"],
+                               case["interpreting"])
+    got = [[fn.__name__, list(grid),
+            {a: f"@{names.get(id(v), '?')}" if isinstance(v, torch.Tensor) else v for a, v in args.items()},
+            dict(options)] for fn, grid, args, options in got]
+    assert got == case["launches"]
+
+
+GEMM_FORWARD = {
+    "plain-cb1": gemm_kernel.GemmConfig(block_m=16, block_n=32, block_k=64, codebook=1),
+    "swap-cb0": gemm_kernel.GemmConfig(block_m=16, block_n=32, block_k=128, swap=True, codebook=0),
+    # persistent: the interpreter's 3 programs loop over all the output tiles
+    "persistent-cb2": gemm_kernel.GemmConfig(block_m=16, block_n=32, block_k=64, codebook=2, persistent=1),
+}
+GEMM_BACKWARD = {
+    "cb0": gemm_kernel.GemmConfig(block_m=16, block_n=32, block_k=64, codebook=0),
+    "wide": gemm_kernel.GemmConfig(block_m=32, block_n=16, block_k=128, swap=True),  # swap: forward only
+    "persistent-cb2": gemm_kernel.GemmConfig(block_m=16, block_n=32, block_k=64, codebook=2, persistent=2),
+}
+X_DTYPES = (torch.float16, torch.bfloat16)
+W_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STORAGES = (torch.uint8, torch.bfloat16, torch.float32)
+K_OF = {32: 96, 64: 128, 128: 256, 256: 256}  # blocksize -> K: whole blocks per row
+N_ROWS = 45  # odd; not a multiple of any tile
+
+
+def _gemm_case(i: int):
+    x_dtype = X_DTYPES[i % 2]
+    return x_dtype, W_DTYPES[i % 3], i % 2 == 0, STORAGES[(i // 2) % 3]
+
+
+def _identity_rows(cols, dtype, width: int, seed: int):
+    """x[i] = scales[i] * e_{cols[i]}: scales +-2**e (e in -2..2), row 0 plain 1.0."""
+    g = torch.Generator().manual_seed(seed)
+    m = cols.numel()
+    sign = torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0)
+    scales = sign * torch.exp2(torch.randint(-2, 3, (m,), generator=g).float())
+    scales[0] = 1.0
+    x = torch.zeros(m, width, dtype=dtype)
+    x[torch.arange(m), cols] = scales.to(dtype)
+    return x, scales
+
+
+def _picked(wmat, cols, scales, dtype):
+    return (scales[:, None].float() * wmat.float()[cols] + 0.0).to(dtype)
+
+
+def _gemm_run(x, packed, qs, config, *, trans=False, ftz=False, bias=None):
+    n, k = qs.shape
+    out = torch.empty((x.shape[0], k if trans else n), dtype=x.dtype)
+    return gemm_kernel.launch(x, packed, qs, out, config, ftz=ftz, trans=trans, bias=bias)
+
+
+def _check_gemm(packed, qs, x_dtype, config, seed, *, trans, ftz=False, name=""):
+    """Every column of W (forward) or row (backward) through a permutation of identity rows, and 2 rows at random."""
+    import nf4
+    from verify.exact import assert_bitexact
+
+    n, k = qs.shape
+    wd = nf4.dequantize(packed, qs, ftz=ftz).to(x_dtype)
+    wmat, width = (wd, n) if trans else (wd.t(), k)
+    g = torch.Generator().manual_seed(seed)
+    for label, cols in (("all", torch.randperm(width, generator=g)), ("2 rows", torch.randint(0, width, (2,),
+                                                                                            generator=g))):
+        x, scales = _identity_rows(cols, x_dtype, width, seed + 3)
+        got = _gemm_run(x, packed, qs, config, trans=trans, ftz=ftz)
+        assert_bitexact(got, _picked(wmat, cols, scales, x_dtype), name=f"{name} {'backward' if trans else 'forward'}"
+                        f", {label}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("blocksize", sorted(K_OF))
+@pytest.mark.parametrize(("direction", "config_name"), [("forward", c) for c in GEMM_FORWARD] +
+                         [("backward", c) for c in GEMM_BACKWARD])
+def test_gemm_kernel_operand(nf4h, direction, config_name, blocksize):
+    """nf4_gemm_kernel forward and TRANS (l21's fused backward) on every weight, as nf4.linear's tests checked it
+    while the product had it."""
+    trans = direction == "backward"
+    configs = GEMM_BACKWARD if trans else GEMM_FORWARD
+    i = list(configs).index(config_name) + 3 * sorted(K_OF).index(blocksize) + trans
+    x_dtype, w_dtype, dq, storage = _gemm_case(i)
+    seed = nf4h.case_seed("gemm-kernel-operand", direction, config_name, blocksize)
+    packed, qs = nf4h.quantize((N_ROWS, K_OF[blocksize]), w_dtype, blocksize, dq, seed=seed, quant_storage=storage)
+    name = f"{config_name} bs={blocksize} x={x_dtype} W={w_dtype} dq={dq} storage={storage}"
+    _check_gemm(packed, qs, x_dtype, configs[config_name], seed, trans=trans, name=name)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("trans", [False, True], ids=["forward", "backward"])
+def test_gemm_kernel_subnormals(nf4h, trans):
+    """Weights among the float32 subnormals kept by bfloat16 x without ftz (each product rounded once in float32),
+    the same state flushed with ftz, and bfloat16 subnormal activations (2**-130, -2**-128, 3 * 2**-133)."""
+    import nf4
+    from verify.exact import assert_bitexact
+
+    config = (GEMM_BACKWARD["cb0"] if trans else GEMM_FORWARD["plain-cb1"])
+    for double_quant in (True, False):
+        packed, qs = nf4h.quantize((40, 128), torch.float32, 64, double_quant,
+                                   seed=nf4h.case_seed("gemm-kernel-tiny", double_quant, trans))
+        tiny = nf4h.tiny_state(qs, seed=3)
+        wd = nf4.dequantize(packed, tiny, ftz=False).to(torch.bfloat16)
+        assert ((wd != 0) & (wd.float().abs() < 2.0**-126)).any(), "no subnormal weight to test"
+        _check_gemm(packed, tiny, torch.bfloat16, config, 5, trans=trans, ftz=False, name=f"ieee dq={double_quant}")
+        _check_gemm(packed, tiny, torch.bfloat16, config, 5, trans=trans, ftz=True, name=f"ftz dq={double_quant}")
+    packed, qs = nf4h.quantize((40, 128), torch.bfloat16, 64, True, seed=nf4h.case_seed("gemm-kernel-subx", trans))
+    wd = nf4.dequantize(packed, qs, ftz=False).to(torch.bfloat16)
+    width = 40 if trans else 128
+    cols = torch.randint(0, width, (3,), generator=torch.Generator().manual_seed(7))
+    scales = torch.tensor((2.0**-130, -(2.0**-128), 3 * 2.0**-133), dtype=torch.float32)
+    x = torch.zeros(3, width, dtype=torch.bfloat16)
+    x[torch.arange(3), cols] = scales.to(torch.bfloat16)
+    assert torch.equal(x[torch.arange(3), cols].float(), scales)  # exact bfloat16 subnormals
+    got = _gemm_run(x, packed, qs, config, trans=trans)
+    assert_bitexact(got, _picked(wd if trans else wd.t(), cols, scales, torch.bfloat16), name="subnormal x")
+
+
+@needs_interpreter
+def test_gemm_kernel_persistent_grid_writes_every_tile(nf4h):
+    """A persistent grid (fewer programs than output tiles, each looping over tiles pid, pid + programs, ...)
+    writes every element of a poisoned out and nothing outside it, forward and backward, and equals the
+    one-program-per-tile grid bit for bit."""
+    from nf4 import NF4Weight, runtime
+    from verify.exact import assert_bitexact
+
+    config = gemm_kernel.GemmConfig(block_m=16, block_n=16, block_k=64, codebook=0, persistent=1)
+    n, k, m = 70, 128, 37  # 5 x 3 forward tiles, 2 x 3 backward (K / 2 = 64 bytes in steps of 32)
+    packed, qs = nf4h.quantize((n, k), torch.bfloat16, 64, True, seed=nf4h.case_seed("persistent-gemm"))
+    w = NF4Weight.from_state(packed, qs)
+    g = torch.Generator().manual_seed(nf4h.case_seed("persistent-gemm-x"))
+    for trans, width, n_out, tiles in ((False, k, n, 15), (True, n, k, 6)):
+        x = torch.randn(m, width, generator=g).to(torch.bfloat16)
+        buf, out = nf4h.poisoned_out((m, n_out), torch.bfloat16, "cpu", lead=3)
+        ((fn, grid, args, options),) = gemm_kernel.launches(x, w, None, out, m, trans, config, False, True)
+        assert grid == (gemm_kernel.INTERPRET_PROGRAMS,) and gemm_kernel.INTERPRET_PROGRAMS < tiles
+        runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
+        nf4h.assert_poison_intact(buf, 3, 3 + out.numel())
+        expected = _gemm_run(x, packed, qs, config.with_(persistent=0), trans=trans)
+        assert_bitexact(out, expected, name=f"persistent gemm, trans={trans}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", X_DTYPES, ids=["fp16", "bf16"])
+def test_gemm_kernel_within_the_sum_bound(nf4h, dtype):
+    """Random x, with and without a bias, forward (plain and swapped) and backward: every output within
+    reference.linear.accumulation_bound of the float64 product of the exact operand."""
+    import nf4
+    from reference.linear import worst_ratio
+
+    n, k = 77, 256
+    packed, qs = nf4h.quantize((n, k), dtype, 64, True, seed=nf4h.case_seed("gemm-kernel-sum", dtype))
+    wd = nf4.dequantize(packed, qs, ftz=False).to(dtype)
+    w64 = wd.double().numpy()
+    g = torch.Generator().manual_seed(nf4h.case_seed("gemm-kernel-sum-x", dtype))
+
+    def randn(shape):
+        return (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-3, 4, shape, generator=g).float())).to(
+            dtype)
+
+    bias = randn((n,))
+    for name, config, m in (("plain", gemm_kernel.GemmConfig(block_m=16, block_n=32, block_k=64), 40),
+                            ("swap", gemm_kernel.GemmConfig(block_m=16, block_n=32, block_k=64, swap=True), 20)):
+        x = randn((m, k))
+        for b in (None, bias):
+            y = _gemm_run(x, packed, qs, config, bias=b)
+            ratio = worst_ratio(y.double().numpy(), x.double().numpy(), w64, dtype,
+                                None if b is None else b.double().numpy())
+            assert ratio <= 1.0, (name, b is not None, ratio)
+    dy = randn((24, n))
+    got = _gemm_run(dy, packed, qs, GEMM_BACKWARD["cb0"], trans=True)
+    assert worst_ratio(got.double().numpy(), dy.double().numpy(), wd.t().double().numpy(), dtype) <= 1.0

@@ -8,7 +8,8 @@ rather than a fresh tensor, so that the runner's NaN-poisoned buffer proves ever
 written. What it skips is api.run's bound plan (the cheap repeat call): device time is the
 product's, host time is not (no linear variant is marked host_timing). config=None is the tuned
 table's choice for this GPU and M, as api.run resolves it; kernel "dequant" is nf4.dequantize into a
-scratch weight, then cuBLAS (`torch.matmul(x, W^T, out=out)`, what F.linear runs without a bias).
+scratch weight, then cuBLAS (`torch.matmul(x, W^T, out=out)`, what F.linear runs without a bias). trans
+(dY @ W) is always that path, as in nf4.linear (the fused backward kernel is l21's: `_gemm_kernel.py`).
 
 On meta tensors (recording for the offline sm_75 compile) the launches are built as on a GPU
 (ASM on, DOT_F32 off, the table's GPU rows) for a T4: the auto split-K of the GEMV is resolved
@@ -63,13 +64,13 @@ def launch(x: torch.Tensor, packed, quant_state, out: torch.Tensor, config: Line
                                f"{x.device}); nf4.linear would run nf4.dequantize + cuBLAS instead")
         wt = nf4.dequantize(packed, quant_state, ftz=ftz).to(x.dtype)
         return torch.matmul(x, wt if trans else wt.t(), out=out)
-    if meta and config.kernel in linear_launch.GEMV_KERNELS and not trans and config.split_k == 0:
+    if meta and config.kernel in linear_launch.GEMV_KERNELS and config.split_k == 0:
         steps = triton.cdiv(k // 2, linear_launch.gemv_step(config, w))
         config = config.with_(split_k=linear_launch.auto_split(triton.cdiv(n, config.block_r), steps,
                                                                config.programs_per_sm * T4_SMS))
-    split, _ = linear_launch.split_k(config, w, m, trans, x.device)
+    split, _ = linear_launch.split_k(config, w, m, x.device)
     part = torch.empty(split * m * out.shape[1], dtype=torch.float32, device=x.device) if split > 1 else None
-    launches = linear_launch.kernel_args(x, w, None, out, m, trans, config, ftz, interpreting, part)
+    launches = linear_launch.kernel_args(x, w, None, out, m, config, ftz, interpreting, part)
     if expect is not None and launches[0][0] is not expect:
         raise RuntimeError(f"{expect.__name__} cannot run for this product (M = {m}, W {w.dtype}, x {x.dtype}, "
                            f"{x.device}); nf4.linear would launch {launches[0][0].__name__} instead")

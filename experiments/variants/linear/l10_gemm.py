@@ -1,15 +1,15 @@
 """l10-l18: the tl.dot kernel (tensor cores) at every M, and one of its meta-parameters at a time.
 
-Teaches where the tile's time goes. l10 is the interpreter's tile for M > 4 (nf4.linear.tuned.GEMM:
-128x128 output, K step 64 = one absmax block, 8 warps, no software pipelining, 16-entry table
-gather), with x as tl.dot's first operand and the decoded W tile (transposed) as the second. Each
+Teaches where the tile's time goes. The kernel (nf4_gemm_kernel, `_gemm_kernel.py`) was nf4.linear's kernel
+"gemm" until no path of the product reached it outside Triton's interpreter; l10 is the interpreter's tile for
+M > 4 of that time (GEMM: 128x128 output, K step 64 = one absmax block, 8 warps, no software pipelining, 16-entry
+table gather), with x as tl.dot's first operand and the decoded W tile (transposed) as the second. Each
 member changes one thing:
 - l11 swaps the operands (out^T = W @ x^T: the decoded tile is the first operand, x^T the second);
 - l12 pipelines the K loop in 3 stages (on sm_80+ the pipeliner turns the codebook and x loads into
   cp.async copies through shared memory; sm_75 has no cp.async);
 - l13 a 64x64 output tile; l14 the select-tree codebook; l15 the 256-entry pair table;
-- l16 the table's small-M tile (GEMM_SMALL below, no longer a named config of nf4:
-  swapped, 16x64, 4 warps) at every M;
+- l16 the table's former small-M tile (GEMM_SMALL below: swapped, 16x64, 4 warps) at every M;
 - l17 GROUP = 1: programs walk the output tiles along N for one M tile at a time, instead of 8 M
   tiles in a row sharing each decoded W tile (L2 reuse of the packed bytes);
 - l18 persistent: one program per multiprocessor loops over the output tiles (in l10's order).
@@ -27,7 +27,7 @@ The ablations asked for the linear, and what covers them:
   GROUP = 1) against l10 (grouped along M). Splitting K across programs is the GEMV's split-K
   (l04 against l01/l05); the tl.dot kernel has no split-K.
 - persistent vs not: l18 (one program per multiprocessor, each taking output tiles pid, pid +
-  programs, ... in l10's order; `LinearConfig.persistent`) against l10 (one program per tile).
+  programs, ... in l10's order; `GemmConfig.persistent`) against l10 (one program per tile).
 
 On sm_75 (offline compile, Triton 3.9) `tl.dot` becomes float32 FMAs in fp16 and bf16 alike (no
 mma.sync): the 128x128 tile then spills 10-11 KB per thread (those members declare spills_expected),
@@ -37,16 +37,11 @@ the 64x64 and 16x64 tiles do not; l12's stages change nothing there (no cp.async
 from __future__ import annotations
 
 from experiments.registry import register
-from nf4.linear import tuned as linear_tuned
-from nf4.linear.config import LinearConfig
-from nf4.linear.gemm import nf4_gemm_kernel
 
-from ._common import launcher
+from ._gemm_kernel import GEMM, GemmConfig, launcher, nf4_gemm_kernel
 
-GEMM = linear_tuned.GEMM
 # the table's former small-M tile (nf4.linear.config.GEMM_SMALL before nf4 dropped the presets no table row used)
-GEMM_SMALL = LinearConfig(kernel="gemm", block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True,
-                          codebook=0)
+GEMM_SMALL = GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap=True, codebook=0)
 # id, parent, the config (a change of GEMM, or another table row), the one-line change.
 FAMILY = [
     ("l10_gemm", "l00_production", GEMM,

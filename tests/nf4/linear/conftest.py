@@ -8,6 +8,8 @@ rounded once there, only among float32 subnormals) and rounded once to x's dtype
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import ClassVar
 
 import numpy as np
@@ -18,35 +20,30 @@ import nf4
 from nf4.linear import LinearConfig
 
 # Configs the interpreter tests run: small tiles so that N and K are several tiles and not multiples
-# of them; every kernel the interpreter can run and every level lookup (codebook 0 gather, 1 select tree,
-# 2 pair table) appears: the word GEMV ("gemv_table": where W's dtype is x's and M <= 4, else the
-# codebook-0 GEMV of its shape) and the word tl.dot kernel ("gemm_word": where W's dtype is x's, else the
-# codebook-0 tl.dot kernel of its shape).
+# of them; every kernel the interpreter can run and every level lookup of the FMA GEMV (codebook 0 gather, 1
+# select tree, 2 pair table) appears: the word GEMV ("gemv_table": where W's dtype is x's and M <= 4, else the
+# codebook-0 GEMV of its shape) and the word tl.dot kernel ("gemm_word": where W's dtype is x's, else
+# nf4.dequantize + cuBLAS, as on a GPU).
 FORWARD = {
     "gemv": LinearConfig(kernel="gemv"),
     "gemv-s1": LinearConfig(kernel="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0),
     "gemv-s2": LinearConfig(kernel="gemv", split_k=2, block_r=8, step_bytes=32, codebook=1),
     "gemv-s3": LinearConfig(kernel="gemv", split_k=3, step_bytes=16),
     "gemv-table": LinearConfig(kernel="gemv_table", split_k=2, block_r=16, step_bytes=32),
-    "gemm": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, codebook=1),
-    "gemm-swap": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=128, swap=True, codebook=0),
-    # persistent: the interpreter's 3 programs loop over all the output tiles
-    "gemm-persistent": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=1),
-    # the word tl.dot kernel (nf4_gemm_word_kernel where W's dtype is x's, else the gathering tl.dot kernel with
-    # codebook 0), split-K 2 through the ordered sum, and unswapped
+    # the word tl.dot kernel: split-K 2 through the ordered sum, unswapped, and steps of 32 weights split 3 ways
     "gemm-word": LinearConfig(kernel="gemm_word", block_m=16, block_n=32, block_k=64, swap=True, split_k=2),
     "gemm-word-plain": LinearConfig(kernel="gemm_word", block_m=16, block_n=16, block_k=64, split_k=1),
-    "tuned": None,  # the interpreter's rows: GEMV for M <= 4, the tl.dot kernel above
+    "gemm-word-k32": LinearConfig(kernel="gemm_word", block_m=32, block_n=16, block_k=32, swap=True, split_k=3,
+                                  group=1),
+    "tuned": None,  # the interpreter's rows: the word GEMV for M <= 4, the word tl.dot kernel above
 }
+# The backward (dY @ W) is nf4.dequantize + cuBLAS whatever the config (nf4.linear.launch.launch_config): the
+# table's row, and fused configs given to it.
 BACKWARD = {
-    "gemv": LinearConfig(kernel="gemv"),
-    "gemv-small": LinearConfig(kernel="gemv", block_r=8, step_bytes=16, codebook=1),
-    "gemm": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, codebook=0),
-    "gemm-wide": LinearConfig(kernel="gemm", block_m=32, block_n=16, block_k=128, swap=True),  # swap: forward only
-    "gemm-persistent": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, codebook=2, persistent=2),
     "tuned": None,
+    "gemv": LinearConfig(kernel="gemv"),
+    "gemm-word": LinearConfig(kernel="gemm_word", block_m=16, block_n=32, block_k=64, swap=True),
 }
-
 
 class LinearTestHelpers:
     """Helpers of the nf4.linear tests (a class, so its names cannot clash with other helpers)."""
@@ -84,6 +81,17 @@ class LinearTestHelpers:
         in float32 like the kernels, rounded once to `dtype` (the + 0.0: +0 + -0 is +0)."""
         cols = torch.as_tensor(cols, dtype=torch.int64, device=wmat.device)
         return (scales[:, None].float() * wmat.float()[cols] + 0.0).to(dtype)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def ieee_dense():
+        """The dequant path's dense product (the backward's, and the forward's fallback) as IEEE arithmetic on the
+        CPU: oneDNN's bfloat16 matmul there flushes subnormal results to zero (cuBLAS on a GPU does not), so the
+        operand checks that reach bfloat16 subnormals run it with oneDNN off (torch's own CPU gemm)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+            with torch.backends.mkldnn.flags(enabled=False):
+                yield
 
     STATE_CHANGES = ("absmax", "state2.absmax", "dtype", "offset", "state2.code")
 

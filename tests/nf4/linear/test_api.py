@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parents[3]
 N, K = 45, 128
 CONFIGS = {"tuned": None, "gemv": LinearConfig(kernel="gemv", split_k=2, step_bytes=16),
-           "gemm": LinearConfig(kernel="gemm", block_m=16, block_n=32, block_k=64, swap=True)}
+           "gemm-word": LinearConfig(kernel="gemm_word", block_m=16, block_n=32, block_k=64, swap=True)}
 # presets that nf4.linear.tuned no longer names (no table row used them), with the fields they had
 GEMV_MMA = LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, step_bytes=32, programs_per_sm=12)
 GEMV_MMA8 = LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, step_bytes=16, programs_per_sm=7)
@@ -340,7 +340,7 @@ def test_linear_is_the_function_after_importing_its_modules():
                    "FakeTensors "
                    "('Cannot access data pointer of Tensor (e.g. FakeTensor...)'); nf4.dequantize's opaque custom_op "
                    "compiles on the CPU (tests/nf4/dequant/test_api.py)")
-@pytest.mark.parametrize("m", [2, 33], ids=["gemv", "gemm"])
+@pytest.mark.parametrize("m", [2, 33], ids=["gemv", "gemm-word"])
 def test_torch_compile_fullgraph_cpu(lin, case, m):
     """torch.compile(fullgraph=True, backend="aot_eager") of a function calling nf4.linear: the eager bits."""
     packed, qs = case
@@ -375,8 +375,8 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
     """The word GEMV (kernel "gemv_table") runs for M <= 4 when W's dtype is x's and the packed bytes are 4-byte
     aligned; elsewhere the tuned row falls back to the codebook-0 GEMV with its own shape and any other word GEMV
     config keeps its shape as the codebook-0 GEMV; the meta device (the offline sm_75 builds) never takes it. The
-    tensor-core GEMV ("gemv_mma") needs a CUDA GPU: here it falls back to the word GEMV, then as above. The backward
-    takes the codebook-0 FMA GEMV or tl.dot kernel of a word config's shape."""
+    tensor-core GEMV ("gemv_mma") needs a CUDA GPU: here it falls back to the word GEMV, then as above. The word
+    tl.dot kernel falls back to nf4.dequantize + cuBLAS, and the backward always takes that path."""
     from nf4.linear import launch
     from nf4.linear.tuned import (
         DEQUANT,
@@ -401,8 +401,9 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
     assert launch.launch_config(GEMV_TABLE, w, x(4), 4, False) is GEMV_TABLE
     assert launch.launch_config(GEMV_TABLE, w, x(5), 5, False) is GEMV
     assert launch.launch_config(GEMV_TABLE, w, x(1, torch.float16), 1, False) is GEMV
-    # backward: the FMA GEMV of the word GEMV's shape, with the 16-entry table (the old codebook 3 meant 0 there)
-    assert launch.launch_config(GEMV_TABLE, w, x(1), 1, True) == GEMV_TABLE.with_(kernel="gemv", codebook=0)
+    # backward: nf4.dequantize + cuBLAS, whatever the config
+    for config in (GEMV_TABLE, GEMV, mine, WORD_GEMM32, LinearConfig(kernel="gemv", codebook=2)):
+        assert launch.launch_config(config, w, x(1), 1, True) is DEQUANT, config
     assert launch.launch_config(mine, w, x(1, torch.float16), 1, False) == mine.with_(kernel="gemv", codebook=0)
     flat = packed.reshape(-1)
     shifted = torch.empty(flat.numel() + 1, dtype=torch.uint8)[1:]
@@ -435,41 +436,15 @@ def test_launch_config_falls_back_where_the_word_gemv_cannot_run(nf4h):
         assert launch.launch_config(GEMV_MMA16, w, x(m), m, False) is want, m
     assert launch.launch_config(GEMV_MMA_WK4, w, x(1), 1, False) is GEMV_TABLE
     # the word tl.dot rows run where W's dtype is x's and the packed bytes are 4-byte aligned (the interpreter
-    # too), else nf4.dequantize + cuBLAS; a word tl.dot config of the caller's own becomes the codebook-0 kernel
+    # too), else nf4.dequantize + cuBLAS; so does a word tl.dot config of the caller's own (no simpler fused kernel)
     assert launch.launch_config(WORD_GEMM32, w, x(32), 32, False) is WORD_GEMM32
     assert launch.launch_config(WORD_GEMM128, w, x(100), 100, False) is WORD_GEMM128
     assert launch.launch_config(WORD_GEMM32, w, x(32, torch.float16), 32, False) is DEQUANT
     assert launch.launch_config(WORD_GEMM128, shifted_w, x(64), 64, False) is DEQUANT
     assert launch.launch_config(WORD_GEMM32, w.with_packed(meta), x(32), 32, False) is DEQUANT
-    # backward: the codebook-0 tl.dot kernel of the word kernel's shape
-    assert launch.launch_config(WORD_GEMM32, w, x(32), 32, True) == WORD_GEMM32.with_(kernel="gemm", codebook=0)
     word = LinearConfig(kernel="gemm_word", block_m=16, block_n=32)
-    assert launch.launch_config(word, w, x(20, torch.float16), 20, False) == word.with_(kernel="gemm", codebook=0)
-
-
-def test_persistent_gemm_writes_every_tile_with_fewer_programs(nf4h):
-    """A persistent tl.dot grid (fewer programs than output tiles, each looping over tiles pid, pid + programs,
-    ...) writes every element of a poisoned out and nothing outside it, forward and backward, and equals the
-    one-program-per-tile grid bit for bit (each tile is computed the same way)."""
-    from nf4 import runtime
-    from nf4.linear import api, launch
-    from nf4.linear.tuned import INTERPRET_PROGRAMS
-
-    config = LinearConfig(kernel="gemm", block_m=16, block_n=16, block_k=64, codebook=0, persistent=1)
-    n, k, m = 70, 128, 37  # 5 x 3 forward tiles, 2 x 3 backward (K / 2 = 64 bytes in steps of 32)
-    packed, qs = nf4h.quantize((n, k), torch.bfloat16, 64, True, seed=nf4h.case_seed("persistent-gemm"))
-    w = NF4Weight.from_state(packed, qs)
-    entry = api.entry_of(packed, qs)
-    g = torch.Generator().manual_seed(nf4h.case_seed("persistent-gemm-x"))
-    for trans, width, n_out, tiles in ((False, k, n, 15), (True, n, k, 6)):
-        x = torch.randn(m, width, generator=g).to(torch.bfloat16)
-        buf, out = nf4h.poisoned_out((m, n_out), torch.bfloat16, "cpu", lead=3)
-        ((fn, grid, args, options),) = launch.kernel_args(x, w, None, out, m, trans, config, False, True)
-        assert grid == (INTERPRET_PROGRAMS,) and INTERPRET_PROGRAMS < tiles
-        runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
-        nf4h.assert_poison_intact(buf, 3, 3 + out.numel())
-        expected = api.run(x, packed, qs, entry, None, trans=trans, config=config.with_(persistent=0), ftz=False)
-        assert_bitexact(out, expected, name=f"persistent gemm, trans={trans}")
+    assert launch.launch_config(word, w, x(20), 20, False) is word
+    assert launch.launch_config(word, w, x(20, torch.float16), 20, False) is DEQUANT
 
 
 def test_warps_k_config_falls_back_where_the_tensor_core_gemv_cannot_run(nf4h):
@@ -599,7 +574,7 @@ def test_maxnreg_reaches_the_compile_options_and_changes_no_result(nf4h):
     capped = GEMV_MMA_WK.with_(maxnreg=64)
     for config, want in ((capped, {"num_warps": 8, "maxnreg": 64}), (GEMV_MMA_WK, {"num_warps": 8})):
         # kernel_args trusts the config's kernel (an offline build passes the config it wants)
-        ((fn, _, _, options),) = launch.kernel_args(x, w, None, out, 3, False, config, True, False)
+        ((fn, _, _, options),) = launch.kernel_args(x, w, None, out, 3, config, True, False)
         assert fn.__name__ == "nf4_gemv_mma_kernel" and options == want
     plain = LinearConfig(kernel="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0)
     assert_bitexact(nf4.linear(x, packed, qs, config=plain.with_(maxnreg=40)), nf4.linear(x, packed, qs, config=plain))

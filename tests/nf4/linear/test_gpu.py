@@ -60,8 +60,6 @@ if torch.cuda.is_available():
                                               split_k=2, step_bytes=16)),
         "gemv-mma-wk8-M32": (32, LinearConfig(kernel="gemv_mma", block_r=16, num_warps=8, warps_k=8,
                                               split_k=1, step_bytes=16)),
-        "gemm": (64, LinearConfig(kernel="gemm", block_m=64, block_n=128, block_k=128)),
-        "gemm-swap": (16, LinearConfig(kernel="gemm", block_m=16, block_n=128, block_k=64, swap=True, codebook=0)),
         # the word tl.dot kernel (nf4_gemm_word_kernel): split-K 3 (ordered sum) with M not a multiple of the tile,
         # one launch with 8 warps, and a split from the programs-per-multiprocessor rule
         "word-gemm-M19": (19, LinearConfig(kernel="gemm_word", block_m=32, block_n=128, swap=True, num_stages=3,
@@ -78,12 +76,12 @@ if torch.cuda.is_available():
                                                 num_warps=8, swap=True, num_stages=3, split_k=1, programs_per_sm=2)),
         "dequant": (8, LinearConfig(kernel="dequant")),
     }
-    BACKWARD = {
-        "tuned-M1": (1, None), "tuned-M16": (16, None), "tuned-M300": (300, None),
-        "gemv": (4, LinearConfig(kernel="gemv", codebook=1)),
-        "gemm": (64, LinearConfig(kernel="gemm", block_m=64, block_n=128, block_k=128)),
-        "gemm-small": (37, LinearConfig(kernel="gemm", block_m=16, block_n=16, block_k=64, codebook=0)),
-    }
+    # the backward is nf4.dequantize + cuBLAS whatever the config (nf4.linear.launch.launch_config): the table's rows
+    BACKWARD = {"tuned-M1": (1, None), "tuned-M16": (16, None), "tuned-M300": (300, None)}
+    # kernel "gemv_pair" (nf4/linear/gemv_pair.py, in no tuned row): split-K to fill 6 programs per multiprocessor
+    # (the lab's pair16) with its ordered sum, and one launch of 8 warps (the bias added in the kernel)
+    GEMV_PAIR = {"auto": LinearConfig(kernel="gemv_pair", programs_per_sm=6),
+                 "one-launch": LinearConfig(kernel="gemv_pair", num_warps=8, split_k=1, programs_per_sm=2)}
 
 CUDA = "cuda"
 SHAPES = [(1024, 4096), (4096, 1024), (333, 512), (45, 384)]  # (N, K); N odd in the last two
@@ -120,8 +118,8 @@ def _backward_all(lin, packed, qs, dtype, name, seed):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_operand(nf4h, lin, shape, blocksize, dtype, double_quant):
     """Every forward config (the tuned table at M = 1, 3, 16, 32, 64, 128, 300; GEMV with split-K auto, 1, 3; the
-    tl.dot kernel plain and swapped; the word tl.dot kernel; nf4.dequantize + cuBLAS) and every backward config, on
-    every weight; autograd's x.grad through identity rows of dY."""
+    word GEMV; the tensor-core GEMV; the word tl.dot kernel; nf4.dequantize + cuBLAS) and the backward, on every
+    weight; autograd's x.grad through identity rows of dY."""
     seed = nf4h.case_seed("gpu-operand", shape, blocksize, dtype, double_quant)
     packed, qs = nf4h.quantize(shape, dtype, blocksize, double_quant, seed=seed, device=CUDA)
     for name in FORWARD:
@@ -157,9 +155,9 @@ def test_mma_gemv_is_what_runs(nf4h, dtype):
         x = torch.zeros((m, shape[1]), dtype=dtype, device=CUDA) if x is None else x
         out = torch.empty((m, shape[0]), dtype=dtype, device=CUDA)
         config = linear_launch.launch_config(config, w, x, m, False)
-        split, _ = linear_launch.split_k(config, w, m, False, x.device)
+        split, _ = linear_launch.split_k(config, w, m, x.device)
         part = torch.empty(split * m * shape[0], dtype=torch.float32, device=CUDA)
-        return linear_launch.kernel_args(x, w, None, out, m, False, config, True, False, part)[0][0]
+        return linear_launch.kernel_args(x, w, None, out, m, config, True, False, part)[0][0]
 
     for shape in SHAPES[:3]:
         for name in ("gemv-mma-M1", "gemv-mma-M5", "gemv-mma-M8", "gemv-mma-M13", "gemv-mma-M19", "gemv-mma-M32",
@@ -173,16 +171,71 @@ def test_mma_gemv_is_what_runs(nf4h, dtype):
     assert kernel((333, 512), "gemv-mma-M1", shifted[:1]) is nf4_gemv_table_kernel
 
 
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(1024, 4096), (333, 512)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gemv_pair_operand(nf4h, lin, shape, dtype, double_quant):
+    """nf4_gemv_pair_kernel (checked to be what launches, not a fallback) at M = 1, 4 and 16: every column of W
+    through signed, power-of-two-scaled identity rows, bit for bit (int16 views), once with a bias (scale * w +
+    bias rounded once), and with ftz off (the kernel's IEEE asm text; the same bits on these normal weights)."""
+    from nf4.linear import launch as linear_launch
+    from nf4.linear.gemv_pair import nf4_gemv_pair_kernel
+
+    seed = nf4h.case_seed("gpu-gemv-pair", shape, dtype, double_quant)
+    packed, qs = nf4h.quantize(shape, dtype, 64, double_quant, seed=seed, device=CUDA)
+    n, k = shape
+    w = NF4Weight.from_state(packed, qs)
+    wd = lin.operand(packed, qs, dtype)
+    perm = lin.permutation(k, seed)
+    x, scales = lin.identity_rows(perm, dtype, k, seed + 1, device=CUDA)
+    want = lin.picked(wd.t(), perm, scales, dtype)
+    for name, config in GEMV_PAIR.items():
+        for m in (1, 4, 16):
+            launched = linear_launch.launch_config(config, w, x[:m], m, False)
+            split, _ = linear_launch.split_k(launched, w, m, x.device)
+            part = torch.empty(split * m * n, dtype=torch.float32, device=CUDA)
+            out = torch.empty((m, n), dtype=dtype, device=CUDA)
+            fn = linear_launch.kernel_args(x[:m], w, None, out, m, launched, True, False, part)[0][0]
+            assert launched is config and fn is nf4_gemv_pair_kernel, (name, m)
+            got = torch.cat([nf4.linear(x[i:i + m], packed, qs, config=config) for i in range(0, k, m)])
+            assert_bitexact(got, want, name=f"gemv_pair {name} M={m}")
+        bias = lin.randn((n,), dtype, seed + 2, device=CUDA)
+        with_bias = (lin.picked(wd.t(), perm[:4], scales[:4], torch.float32) + bias.float()).to(dtype)
+        assert_bitexact(nf4.linear(x[:4], packed, qs, bias=bias, config=config), with_bias, name=f"{name} bias")
+    wt = lin.operand(packed, qs, dtype, ftz=False)
+    got = torch.cat([nf4.linear(x[i:i + 4], packed, qs, config=GEMV_PAIR["auto"], ftz=False) for i in range(0, k, 4)])
+    assert_bitexact(got, lin.picked(wt.t(), perm, scales, dtype), name="gemv_pair ftz=False")
+
+
+def test_gemv_pair_falls_back_where_it_cannot_run(nf4h):
+    """K not a multiple of 256, x of another dtype than W, M > 16, x not 16-byte aligned: the word GEMV of the
+    config's shape (up to M = 4), the codebook-0 GEMV above it."""
+    from nf4.linear import launch as linear_launch
+
+    config = GEMV_PAIR["auto"]
+    for shape, m, dtype, want in (((45, 384), 1, torch.bfloat16, "gemv_table"),
+                                  ((333, 512), 1, torch.float16, "gemv"),
+                                  ((333, 512), 17, torch.bfloat16, "gemv"),
+                                  ((333, 512), 8, torch.bfloat16, "gemv")):
+        packed, qs = nf4h.quantize(shape, torch.bfloat16, 64, True, seed=nf4h.case_seed("gpu-pair-fb", shape),
+                                   device=CUDA)
+        w = NF4Weight.from_state(packed, qs)
+        x = torch.zeros((m, shape[1]), dtype=dtype, device=CUDA)
+        if m == 8:  # 16-byte aligned rows, but x starts 4 bytes in
+            x = torch.zeros(m * shape[1] + 2, dtype=dtype, device=CUDA)[2:].view(m, shape[1])
+        assert linear_launch.launch_config(config, w, x, m, False).kernel == want, (shape, m, dtype)
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["wfp16", "wbf16", "wfp32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_operand_mixed_dtypes_and_storage(nf4h, lin, dtype, w_dtype):
     """A weight of another dtype than x (the operand is rounded to W's dtype, then converted), stored as
-    bfloat16: the tuned forward at M = 1 and 64 and the GEMV backward."""
+    bfloat16: the tuned forward at M = 1 and 64, the GEMV with the select tree (split-K 3) and the backward."""
     seed = nf4h.case_seed("gpu-mixed", dtype, w_dtype)
     packed, qs = nf4h.quantize((333, 512), w_dtype, 64, True, seed=seed, device=CUDA, quant_storage=torch.bfloat16)
-    for name in ("tuned-M1", "tuned-M64", "gemm-swap"):
+    for name in ("tuned-M1", "tuned-M64", "gemv-split3"):
         _forward_all(lin, packed, qs, dtype, name, seed)
-    _backward_all(lin, packed, qs, dtype, "gemv", seed)
+    _backward_all(lin, packed, qs, dtype, "tuned-M16", seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -234,7 +287,7 @@ def test_sum_within_bound(nf4h, lin, record_property, shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_torch_compile_forward(nf4h, lin, dtype, m):
     """torch.compile(fullgraph=True) (Inductor) of a function calling nf4.linear: the same bits as eager
-    (the tuned path at each M: GEMV, the swapped tl.dot, nf4.dequantize + cuBLAS on an H100)."""
+    (the tuned path at each M on an H100: the tensor-core GEMV at 1 and 16, the word tl.dot kernel at 64)."""
     from torch._dynamo.utils import counters
 
     packed, qs = nf4h.quantize((333, 512), dtype, 64, True, seed=nf4h.case_seed("gpu-compile", dtype, m), device=CUDA)
@@ -285,8 +338,8 @@ def test_torch_compile_forward_backward(nf4h, lin, m):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_cuda_graph_capture(nf4h, lin, dtype, m):
     """nf4.linear captured in a CUDA graph (after warm-up on a side stream) and replayed on new inputs
-    copied into the static x: the same bits as eager calls on those inputs (split-K GEMV with its
-    partial buffer at M = 1 and 3, the tl.dot kernel at 16, nf4.dequantize + cuBLAS at 64 on an H100)."""
+    copied into the static x: the same bits as eager calls on those inputs (the tuned kernels at M = 1, 3, 16 and
+    64 on an H100: the tensor-core GEMVs and the word tl.dot kernel)."""
     packed, qs = nf4h.quantize((1024, 4096), dtype, 64, True, seed=nf4h.case_seed("gpu-graph", dtype, m), device=CUDA)
     bias = lin.randn((1024,), dtype, 7, device=CUDA)
     static_x = lin.randn((m, 4096), dtype, 8, device=CUDA)

@@ -2,12 +2,14 @@
 
 x made of identity rows (plain, signed, scaled by 2**-2 .. 2**2, at permuted or random columns)
 picks single weights, so `x @ W^T` must be `scale * nf4.dequantize(W).to(x.dtype) + 0.0` bit for bit,
-whatever the summation order; identity rows of dY do the same for the backward `dY @ W`. Every
-weight is checked (a permutation of all columns, or of all rows for the backward), and a few rows of x
-at random columns keep the GEMV at the M it is tuned for. Covered: the GEMV (split-K 1, 2, 3, auto),
-the tl.dot kernel (plain, swapped and persistent), the interpreter's tuned rows, every blocksize a linear may have
-up to 256, N odd and not a multiple of any tile, double quantization on and off, three quant_storage
-dtypes, x float16 / bfloat16 against weights of float16 / bfloat16 / float32, ftz on and off.
+whatever the summation order; identity rows of dY do the same for the backward `dY @ W` (nf4.dequantize +
+cuBLAS, whatever the config). Every weight is checked (a permutation of all columns, or of all rows for the
+backward), and a few rows of x at random columns keep the GEMV at the M it is tuned for. Covered: the GEMV
+(split-K 1, 2, 3, auto), the word GEMV, the word tl.dot kernel (swapped, unswapped, steps of 32 weights, split-K),
+the interpreter's tuned rows (the GPUs' word kernels), every blocksize a linear may have up to 256, N odd and not
+a multiple of any tile, double quantization on and off, three quant_storage dtypes, x float16 / bfloat16 against
+weights of float16 / bfloat16 / float32, ftz on and off. (The fused backward kernel and the tl.dot kernel that
+left nf4.linear are checked with the experiments' variants: tests/experiments/test_linear_variants.py.)
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 import nf4
+from nf4.linear import launch
 from nf4.linear.api import entry_of, run
 from nf4.linear.gemv import nf4_gemv_kernel
+from nf4.linear.tuned import tuned
+from nf4.weight import NF4Weight
 from verify.exact import assert_bitexact
 
 pytestmark = pytest.mark.skipif(
@@ -35,9 +40,9 @@ STORAGES = (torch.uint8, torch.bfloat16, torch.float32)
 # blocksize -> K: whole blocks per row (3, 2, 2, 1); 3 steps of 16 bytes at blocksize 32
 K_OF = {32: 96, 64: 128, 128: 256, 256: 256}
 N = 45  # odd; not a multiple of block_r (8, 16, 32) or block_n (16, 32, 128)
-FWD = ("gemv", "gemv-s1", "gemv-s2", "gemv-s3", "gemv-table", "gemm", "gemm-swap", "gemm-persistent", "gemm-word",
-       "gemm-word-plain", "tuned")  # keys of lin.FORWARD
-BWD = ("gemv", "gemv-small", "gemm", "gemm-wide", "gemm-persistent", "tuned")  # keys of lin.BACKWARD
+FWD = ("gemv", "gemv-s1", "gemv-s2", "gemv-s3", "gemv-table", "gemm-word", "gemm-word-plain", "gemm-word-k32",
+       "tuned")  # keys of lin.FORWARD
+BWD = ("tuned", "gemv", "gemm-word")  # keys of lin.BACKWARD
 # (x dtype, W dtype, double quant, storage): every dtype pair and storage with double quantization,
 # and a third of them (each dtype pair once) without
 COMBOS = [(xd, wd, dq, st) for (xd, wd), dq, st in itertools.product(DTYPE_PAIRS, (True, False), STORAGES)
@@ -72,7 +77,8 @@ def _check_backward(lin, packed, qs, x_dtype, config, seed, *, ftz=False, name="
     wd = lin.operand(packed, qs, x_dtype, ftz=ftz)  # [N, K]
     for label, rows in (("all rows", lin.permutation(w.N, seed)), ("2 rows", lin.columns(w.N, 2, seed + 1))):
         dy, scales = lin.identity_rows(rows, x_dtype, w.N, seed + 3)
-        got = run(dy, packed, qs, w, None, trans=True, config=config, ftz=ftz)
+        with lin.ieee_dense():  # the dequant path's dense product, IEEE on the CPU too (see ieee_dense)
+            got = run(dy, packed, qs, w, None, trans=True, config=config, ftz=ftz)
         assert got.dtype == x_dtype and tuple(got.shape) == (rows.numel(), w.K)
         assert_bitexact(got, lin.picked(wd, rows, scales, x_dtype), name=f"{name} backward, {label}")
 
@@ -82,6 +88,8 @@ def _check_backward(lin, packed, qs, x_dtype, config, seed, *, ftz=False, name="
 def test_forward_operand(nf4h, lin, config_name, blocksize):
     i = FWD.index(config_name) + len(FWD) * sorted(K_OF).index(blocksize)
     x_dtype, w_dtype, dq, storage = _case(i)
+    if config_name.startswith(("gemm-word", "tuned")) and blocksize != 32:
+        w_dtype = x_dtype  # the word kernels' own case (bs 32 keeps a weight of another dtype: the dequant path)
     seed = nf4h.case_seed("fwd-operand", config_name, blocksize)
     packed, qs = nf4h.quantize((N, K_OF[blocksize]), w_dtype, blocksize, dq, seed=seed, quant_storage=storage)
     name = f"{config_name} bs={blocksize} x={x_dtype} W={w_dtype} dq={dq} storage={storage}"
@@ -91,12 +99,18 @@ def test_forward_operand(nf4h, lin, config_name, blocksize):
 @pytest.mark.parametrize("blocksize", sorted(K_OF))
 @pytest.mark.parametrize("config_name", BWD)
 def test_backward_operand(nf4h, lin, config_name, blocksize):
+    """nf4.linear's backward (run with trans=True, as autograd calls it) on every row of W: the dequant path,
+    whatever the config says."""
     i = BWD.index(config_name) + len(BWD) * sorted(K_OF).index(blocksize) + 1
     x_dtype, w_dtype, dq, storage = _case(i)
     seed = nf4h.case_seed("bwd-operand", config_name, blocksize)
     packed, qs = nf4h.quantize((N, K_OF[blocksize]), w_dtype, blocksize, dq, seed=seed, quant_storage=storage)
+    w = NF4Weight.from_state(packed, qs)
+    x = torch.empty((2, N), dtype=x_dtype)
+    config = lin.BACKWARD[config_name]
+    assert launch.launch_config(config or tuned("", 2, True), w, x, 2, True).kernel == "dequant"
     name = f"{config_name} bs={blocksize} x={x_dtype} W={w_dtype} dq={dq} storage={storage}"
-    _check_backward(lin, packed, qs, x_dtype, lin.BACKWARD[config_name], seed, name=name)
+    _check_backward(lin, packed, qs, x_dtype, config, seed, name=name)
 
 
 def _combo_id(c):
@@ -108,7 +122,8 @@ def _combo_id(c):
 @pytest.mark.parametrize(("x_dtype", "w_dtype", "double_quant", "storage"), COMBOS, ids=map(_combo_id, COMBOS))
 def test_dtypes_and_storage(nf4h, lin, x_dtype, w_dtype, double_quant, storage):
     """(x dtype, weight dtype, double quant, storage) combinations: the tuned forward at 2 and 33 rows
-    (GEMV and tl.dot), and the tuned backward; N = 45 rows of 128, blocksize 64."""
+    (the word GEMV and the word tl.dot kernel where W's dtype is x's, else the codebook-0 GEMV and the dequant
+    path), and the tuned backward; N = 45 rows of 128, blocksize 64."""
     seed = nf4h.case_seed("dtypes", x_dtype, w_dtype, double_quant, storage)
     packed, qs = nf4h.quantize((45, 128), w_dtype, 64, double_quant, seed=seed, quant_storage=storage)
     assert packed.dtype == storage and qs.dtype == w_dtype
@@ -141,10 +156,14 @@ def test_ftz_flushes_subnormal_weights(nf4h, lin):
         packed, qs = nf4h.quantize((40, 128), torch.float32, 64, double_quant,
                                    seed=nf4h.case_seed("tiny-ftz", double_quant))
         tiny = nf4h.tiny_state(qs, seed=3)
-        name = "gemv-s2" if double_quant else "gemm"
+        name = "gemv-s2" if double_quant else "gemv-s1"
         _check_forward(lin, packed, tiny, torch.bfloat16, lin.FORWARD[name], 5, ftz=True, name=name)
-        name = "gemm" if double_quant else "gemv"
-        _check_backward(lin, packed, tiny, torch.bfloat16, lin.BACKWARD[name], 5, ftz=True, name=name)
+        _check_backward(lin, packed, tiny, torch.bfloat16, None, 5, ftz=True, name="tuned")
+    # the word kernels decode W of x's dtype: bfloat16 weights with the same tiny state
+    packed, qs = nf4h.quantize((40, 128), torch.bfloat16, 64, True, seed=nf4h.case_seed("tiny-ftz-word"))
+    tiny = nf4h.tiny_state(qs, seed=3)
+    for name in ("gemv-table", "gemm-word"):
+        _check_forward(lin, packed, tiny, torch.bfloat16, lin.FORWARD[name], 5, ftz=True, name=name)
 
 
 # --- bfloat16 subnormals in Triton's interpreter ----------------------------------------------------
@@ -156,21 +175,22 @@ def test_ftz_flushes_subnormal_weights(nf4h, lin):
 # weights, activations and dY, which came out wrong before that.
 
 
-@pytest.mark.parametrize(("path", "double_quant"), [("gemv", True), ("gemm", False), ("gemv-backward", False),
-                                                    ("gemm-backward", True)])
+@pytest.mark.parametrize(("path", "double_quant"), [("gemv-s2", True), ("gemv-table", False),
+                                                    ("gemm-word", True), ("backward", False)])
 def test_subnormal_weights_ieee(nf4h, lin, path, double_quant):
     """Weights among the float32 subnormals (a tiny absmax), kept by bfloat16 x without ftz: the operand
-    must be nf4.dequantize(W, ftz=False).to(bfloat16) bit for bit, each product rounded once in float32."""
-    packed, qs = nf4h.quantize((40, 128), torch.float32, 64, double_quant,
-                               seed=nf4h.case_seed("tiny", double_quant, path))
+    must be nf4.dequantize(W, ftz=False).to(bfloat16) bit for bit, each product rounded once in float32 (float32
+    weights for the GEMV, whose operand converts them; bfloat16 weights, subnormal there too, for the word
+    kernels, which take W of x's dtype)."""
+    w_dtype = torch.float32 if path.startswith(("gemv-s", "backward")) else torch.bfloat16
+    packed, qs = nf4h.quantize((40, 128), w_dtype, 64, double_quant, seed=nf4h.case_seed("tiny", double_quant, path))
     tiny = nf4h.tiny_state(qs, seed=3)
     wd = lin.operand(packed, tiny, torch.bfloat16, ftz=False)
     assert ((wd != 0) & (wd.float().abs() < 2.0**-126)).any(), "no subnormal weight to test"
-    config = lin.FORWARD["gemv-s2" if path.startswith("gemv") else "gemm"]
-    if path.endswith("backward"):
-        _check_backward(lin, packed, tiny, torch.bfloat16, config, 5, ftz=False, name=path)
+    if path == "backward":
+        _check_backward(lin, packed, tiny, torch.bfloat16, None, 5, ftz=False, name=path)
     else:
-        _check_forward(lin, packed, tiny, torch.bfloat16, config, 5, ftz=False, name=path)
+        _check_forward(lin, packed, tiny, torch.bfloat16, lin.FORWARD[path], 5, ftz=False, name=path)
 
 
 SUBNORMAL_SCALES = (2.0**-130, -(2.0**-128), 3 * 2.0**-133)
@@ -178,9 +198,9 @@ SUBNORMAL_SCALES = (2.0**-130, -(2.0**-128), 3 * 2.0**-133)
 
 @pytest.mark.parametrize("path", [
     "gemv",
-    "gemm",
-    "gemv-backward",
-    "gemm-backward",
+    "gemv-table",
+    "gemm-word",
+    "tuned-backward",
 ])
 def test_subnormal_bf16_activations(nf4h, lin, path):
     """Identity rows scaled into bfloat16's subnormals (2**-130, -2**-128, 3 * 2**-133): each output is
@@ -196,5 +216,6 @@ def test_subnormal_bf16_activations(nf4h, lin, path):
     x[torch.arange(3), cols] = scales.to(torch.bfloat16)
     assert torch.equal(x[torch.arange(3), cols].float(), scales)  # exact bfloat16 subnormals
     config = lin.FORWARD[path.removesuffix("-backward")]
-    got = run(x, packed, qs, w, None, trans=backward, config=config)
+    with lin.ieee_dense():  # the backward's dense product (see ieee_dense)
+        got = run(x, packed, qs, w, None, trans=backward, config=config)  # the word kernels: x's dtype is W's
     assert_bitexact(got, lin.picked(wd if backward else wd.t(), cols, scales, torch.bfloat16), name=path)
