@@ -23,7 +23,7 @@ import torch
 
 from .. import runtime
 from ..dequant import dequantize
-from ..weight import NF4Weight, RepeatCache, StateCheck, plain, unpack
+from ..weight import NF4Weight, RepeatCache, StateCheck, module_weight, plain, unpack
 from .config import LinearConfig
 from .launch import dense_product, fused, kernel_args, launch_config, split_k
 from .tuned import tuned
@@ -33,6 +33,7 @@ _INT32_LIMIT = 2**31 - 1
 _FAST_LIMIT = 64  # shapes of x per weight with a fast entry
 _DEQUANT = ("dequant",)  # the launches' mark of a key that the table sends to the dequant path
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose methods need no Python dispatch
 CACHE = RepeatCache()
 
 
@@ -223,7 +224,7 @@ def _repeat(x, packed, qs, entry: _Entry, bias):
     index = entry.index
     if (x.dtype in X_DTYPES and entry.fused and x.get_device() == index and x.dim() and x.shape[-1] == entry.K
             and (index >= 0 or not x.is_meta)
-            and (bias is None or (type(bias) is torch.Tensor and bias.dtype is x.dtype and bias.dim() == 1
+            and (bias is None or (type(bias) in _PLAIN and bias.dtype is x.dtype and bias.dim() == 1
                                   and bias.shape[0] == entry.N and bias.get_device() == index
                                   and (index >= 0 or not bias.is_meta)))):
         ftz = index >= 0  # the device's default, as the full path sets it: on for CUDA, off on the CPU
@@ -282,19 +283,21 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
     """
     compiling = torch.compiler.is_compiling()
     # The repeat call: a checked weight, x of a fused dtype on its device, not compiling (with or without grad).
-    if (config is None and ftz is None and type(x) is torch.Tensor and isinstance(weight, torch.Tensor)
-            and not compiling):
-        qs = quant_state if quant_state is not None else getattr(weight, "quant_state", None)  # a Params4bit's own
-        if qs is not None:
-            if type(weight) is torch.Tensor:
-                entry = CACHE.get(qs, weight)
-                y = _repeat(x, weight, qs, entry, bias) if entry is not None else None
+    if config is None and ftz is None and type(x) is torch.Tensor and not compiling:
+        packed, b = weight, bias
+        if quant_state is None and bias is None and not isinstance(weight, torch.Tensor):
+            packed, b = module_weight(weight), getattr(weight, "bias", None)  # a Linear4bit: its weight and bias
+        qs = quant_state if quant_state is not None else getattr(packed, "quant_state", None)  # a Params4bit's own
+        if qs is not None and isinstance(packed, torch.Tensor):
+            if type(packed) is torch.Tensor:
+                entry = CACHE.get(qs, packed)
+                y = _repeat(x, packed, qs, entry, b) if entry is not None else None
             else:
                 # A Params4bit (bitsandbytes' Linear4bit passes its weight so) turns every method call into a
                 # Python __torch_function__ dispatch; none is needed to read its metadata and pointer.
                 with _NO_TORCH_FUNCTION():
-                    entry = CACHE.get(qs, weight)
-                    y = _repeat(x, weight, qs, entry, bias) if entry is not None else None
+                    entry = CACHE.get(qs, packed)
+                    y = _repeat(x, packed, qs, entry, b) if entry is not None else None
             if y is not None:
                 return y
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
