@@ -219,7 +219,7 @@ class StateCheck:
     entries) add their launches.
     """
 
-    __slots__ = ("__weakref__", "_refs", "_s2_values", "_sigs", "_values", "blocksize", "device", "index",
+    __slots__ = ("__weakref__", "_refs", "_sigs", "_values", "blocksize", "device", "index",
                  "nested", "packed_dtype", "packed_numel", "ptr_mod", "quant_type", "s2_blocksize", "shape", "state2",
                  "w")
 
@@ -239,7 +239,6 @@ class StateCheck:
         # every attribute of the state (and of state2) as it was checked, compared by identity: one C-level pass
         # (None where an object keeps no __dict__: its fields are then compared one by one)
         self._values = _values(qs)
-        self._s2_values = _values(s2) if s2 is not None else ()
         if torch.compiler.is_compiling():  # traced tensors have no data pointers: a check that never matches
             self._sigs, self.ptr_mod = None, -1
         else:
@@ -249,16 +248,21 @@ class StateCheck:
     def matches(self, qs, packed) -> bool:
         s2 = self.state2
         values = self._values
-        if values is not None and self._s2_values is not None:
+        if values is not None:
+            # every attribute of the state by identity (shape, dtype, blocksize, quant_type, nested, state2, absmax,
+            # offset, ...), then state2's three the launch reads, then the tensors' pointers, versions and sizes
             d = getattr(qs, "__dict__", None)
             if d is None or not _same(tuple(d.values()), values):
                 return False
-            if s2 is not None:
-                d2 = getattr(s2, "__dict__", None)
-                if d2 is None or not _same(tuple(d2.values()), self._s2_values):
-                    return False
-            if self._sigs != _sigs(*self._refs):
+            a, o, a2, c2 = self._refs
+            if s2 is not None and (s2.absmax is not a2 or s2.code is not c2 or s2.blocksize != self.s2_blocksize):
                 return False
+            if self._sigs != _sigs(a, o, a2, c2):
+                return False
+            if type(packed) is torch.Tensor:
+                return (packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
+                        and packed.get_device() == self.index and packed.is_contiguous()
+                        and packed.data_ptr() % 16 == self.ptr_mod and (self.index >= 0 or not packed.is_meta))
             return self.fits(packed)
         if not (qs.shape is self.shape and qs.dtype is self.w.dtype and qs.blocksize == self.blocksize
                 and qs.quant_type == self.quant_type and getattr(qs, "nested", False) is self.nested
@@ -316,41 +320,41 @@ class RepeatCache:
     and no packed weight, only what its entries hold.
     """
 
-    __slots__ = ("_entries", "limit")
+    __slots__ = ("entries", "limit")
 
     def __init__(self, limit: int = 4096):
-        self._entries: dict[int, Any] = {}
+        self.entries: dict[int, Any] = {}  # id(quant_state) -> entry; the ops' repeat calls read it directly
         self.limit = limit
 
     def get(self, quant_state, packed):
         """The entry of `quant_state` when it still matches (state and packed tensor), else None."""
-        entry = self._entries.get(id(quant_state))
+        entry = self.entries.get(id(quant_state))
         if entry is not None and entry.matches(quant_state, packed):
             return entry
         return None
 
     def peek(self, quant_state):
         """The entry of `quant_state`, matching or not (tests and benchmarks)."""
-        return self._entries.get(id(quant_state))
+        return self.entries.get(id(quant_state))
 
     def put(self, quant_state, entry) -> None:
         """Keep `entry` for `quant_state` until the state is garbage-collected (or the cache is full)."""
         key = id(quant_state)
-        if key not in self._entries:
-            if len(self._entries) >= self.limit:
-                self._entries.clear()
+        if key not in self.entries:
+            if len(self.entries) >= self.limit:
+                self.entries.clear()
             try:
-                weakref.finalize(quant_state, self._entries.pop, key, None)
+                weakref.finalize(quant_state, self.entries.pop, key, None)
             except TypeError:  # a state that takes no weak references is not cached: its id may be reused
                 return
-        self._entries[key] = entry
+        self.entries[key] = entry
 
     def forget(self, quant_state) -> None:
         """Drop the entry of `quant_state`."""
-        self._entries.pop(id(quant_state), None)
+        self.entries.pop(id(quant_state), None)
 
     def clear(self) -> None:
-        self._entries.clear()
+        self.entries.clear()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)

@@ -21,6 +21,7 @@ from .launch import launch
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE = RepeatCache()
+_ENTRIES = CACHE.entries  # read directly by the repeat call (RepeatCache.get without the call)
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 
@@ -127,10 +128,11 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
     """
     # The repeat call: a bound launch exists only for CUDA tensors with ftz on (the CUDA default).
     if dtype is None and (ftz is None or ftz is True) and not torch.compiler.is_compiling():
-        packed, qs = quant_state_of(weight, quant_state)
+        packed, qs = (weight, quant_state) if quant_state is not None else quant_state_of(weight)
         if qs is not None:
-            entry = CACHE.get(qs, packed)
-            if entry is not None and entry.bound is not None and entry.config is config:
+            entry = _ENTRIES.get(id(qs))
+            if (entry is not None and entry.bound is not None and entry.config is config
+                    and entry.matches(qs, packed)):
                 if out is None:
                     return entry.run(packed, None)
                 if entry.fits_out(out) and not _overlaps_state(out, entry, packed):

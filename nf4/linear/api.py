@@ -35,6 +35,7 @@ _DEQUANT = ("dequant",)  # the launches' mark of a key that the table sends to t
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose methods need no Python dispatch
 CACHE = RepeatCache()
+_ENTRIES = CACHE.entries  # read directly by the repeat call (RepeatCache.get without the call)
 
 
 class _Entry(StateCheck):
@@ -289,15 +290,16 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
             packed, b = module_weight(weight), getattr(weight, "bias", None)  # a Linear4bit: its weight and bias
         qs = quant_state if quant_state is not None else getattr(packed, "quant_state", None)  # a Params4bit's own
         if qs is not None and isinstance(packed, torch.Tensor):
-            if type(packed) is torch.Tensor:
-                entry = CACHE.get(qs, packed)
-                y = _repeat(x, packed, qs, entry, b) if entry is not None else None
+            entry = _ENTRIES.get(id(qs))
+            if entry is None:
+                y = None
+            elif type(packed) is torch.Tensor:
+                y = _repeat(x, packed, qs, entry, b) if entry.matches(qs, packed) else None
             else:
                 # A Params4bit (bitsandbytes' Linear4bit passes its weight so) turns every method call into a
                 # Python __torch_function__ dispatch; none is needed to read its metadata and pointer.
                 with _NO_TORCH_FUNCTION():
-                    entry = CACHE.get(qs, packed)
-                    y = _repeat(x, packed, qs, entry, b) if entry is not None else None
+                    y = _repeat(x, packed, qs, entry, b) if entry.matches(qs, packed) else None
             if y is not None:
                 return y
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
