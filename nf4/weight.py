@@ -238,7 +238,7 @@ class StateCheck:
         self.device = packed.device
         # every attribute of the state (and of state2) as it was checked, compared by identity: one C-level pass
         # (None where an object keeps no __dict__: its fields are then compared one by one)
-        self._values = _values(qs)
+        self._values = None if torch.compiler.is_compiling() else _values(qs)  # (Dynamo cannot read a __dict__)
         if torch.compiler.is_compiling():  # traced tensors have no data pointers: a check that never matches
             self._sigs, self.ptr_mod = None, -1
         else:

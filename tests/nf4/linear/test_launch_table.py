@@ -156,6 +156,7 @@ def test_gemv_pair_launches():
     assert grid == (16,) and args["SPLIT"] == 1 and not args["PARTIAL"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors in Triton's interpreter (off on a CUDA machine)")
 def test_gemv_pair_runs_only_where_it_can(nf4h):
     """runnable: a CUDA GPU (sm_80+), so never here; a gemv_pair config falls back to the word GEMV of its shape
     (then the GEMV), and nf4.linear's product with it is that kernel's, operand-exact."""
