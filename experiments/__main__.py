@@ -48,6 +48,8 @@ def main(argv=None) -> int:
                    "tp 1 and 2, with its fit / held-out subset (experiments.catalog)", add_help=False)
     sub.add_parser("catalog-bench", help="GPU: nf4 against its peers on every catalog shape, and merge of parts "
                    "(experiments.catalog_bench)", add_help=False)
+    sub.add_parser("tune-dequant", help="GPU sweep of nf4.dequantize's configs on the catalog, and the tuned table's "
+                   "rules fit on its fit subset (experiments.tune_dequant)", add_help=False)
     sub.add_parser("call-forms", help="GPU: host time of every eager repeat-call form of nf4.dequantize and nf4.linear "
                    "against an empty Triton JIT launch (experiments.call_forms)", add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit",
-                            "gemm-limit", "linear-bounds", "linear-host", "call-forms", "catalog", "catalog-bench"):
+                            "gemm-limit", "linear-bounds", "linear-host", "call-forms", "catalog", "catalog-bench",
+                            "tune-dequant"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])
