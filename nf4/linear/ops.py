@@ -43,6 +43,32 @@ def _(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype,
     return x.new_empty((x.shape[0], k if trans else n))
 
 
+@torch.library.custom_op("nf4::linear_opaque", mutates_args=())
+def _linear_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor | None,
+                   code2: torch.Tensor | None, offset: torch.Tensor | None, bias: torch.Tensor | None, n: int, k: int,
+                   blocksize: int, w_dtype: torch.dtype, ftz: bool) -> torch.Tensor:
+    """The forward's fused launches as eager runs them (nf4.runtime), as one opaque op: what the triton_op takes in
+    Triton's interpreter, where `wrap_triton` cannot trace (the kernels are InterpretedFunctions, which would run on
+    torch.compile's FakeTensors)."""
+    w = _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype)
+    m = x.shape[0]
+    config = launch_config(tuned(runtime.device_name(x.device), m, False, n=n, k=k), w, x, m, False)
+    if config.kernel == "dequant":
+        return _dequantize_matmul_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype,
+                                         ftz, False)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split, _ = split_k(config, w, m, x.device)
+    part = torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else None
+    for fn, grid, args, options in kernel_args(x, w, bias, out, m, config, ftz, runtime.interpreting(x.device), part):
+        runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
+    return out
+
+
+@_linear_opaque.register_fake
+def _(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype, ftz):
+    return x.new_empty((x.shape[0], n))
+
+
 @torch.library.triton_op("nf4::linear", mutates_args=())
 def _linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor | None,
             code2: torch.Tensor | None, offset: torch.Tensor | None, code: torch.Tensor, code_pairs: torch.Tensor,
@@ -63,6 +89,9 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2
         # gradients against eager
         return torch.ops.nf4.dequantize_matmul_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k,
                                                       blocksize, w_dtype, ftz, trans)
+    if runtime.interpreter_on():  # (a fused kernel is forward only: the backward takes the dequant path above)
+        return torch.ops.nf4.linear_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype,
+                                           ftz)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     split, _ = split_k(config, w, m, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None

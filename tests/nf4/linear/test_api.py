@@ -334,15 +334,10 @@ def test_linear_is_the_function_after_importing_its_modules():
 # --- torch.compile in the interpreter ----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.TorchRuntimeError,
-                   reason="nf4/linear/ops.py's nf4::linear triton_op launches the kernels with wrap_triton; under "
-                   "Triton's interpreter the kernels are InterpretedFunctions, which run on torch.compile's "
-                   "FakeTensors "
-                   "('Cannot access data pointer of Tensor (e.g. FakeTensor...)'); nf4.dequantize's opaque custom_op "
-                   "compiles on the CPU (tests/nf4/dequant/test_api.py)")
 @pytest.mark.parametrize("m", [2, 33], ids=["gemv", "gemm-word"])
 def test_torch_compile_fullgraph_cpu(lin, case, m):
-    """torch.compile(fullgraph=True, backend="aot_eager") of a function calling nf4.linear: the eager bits."""
+    """torch.compile(fullgraph=True, backend="aot_eager") of a function calling nf4.linear: the eager bits (in the
+    interpreter the triton_op takes the opaque nf4::linear_opaque, which launches as eager does)."""
     packed, qs = case
     bias = lin.randn((N,), torch.bfloat16, 71)
 

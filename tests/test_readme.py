@@ -1,0 +1,43 @@
+"""The README's snippet runs as written on a CPU, in Triton's interpreter (its `dev` set to "cpu", as it says)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _snippets() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_the_readme_has_its_api_snippet():
+    assert len(_snippets()) == 1 and "nf4.linear" in _snippets()[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the snippet (a CUDA machine runs it as is)")
+def test_the_readme_snippet_runs_on_a_cpu(tmp_path):
+    code = _snippets()[0]
+    assert 'dev = "cuda"' in code
+    code = code.replace('dev = "cuda"', 'dev = "cpu"', 1)
+    # the snippet's last value must be a real product: checked against the dequantized weight in float64
+    code += ("\nw64 = nf4.dequantize(packed, state).double()\n"
+             "ref = x.double() @ w64.t()\n"
+             "assert y.shape == ref.shape and torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2), "
+             "(y - ref).abs().max()\n"
+             "print('snippet ok')\n")
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "snippet ok" in proc.stdout
