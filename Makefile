@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # TORCH= value finds no stamp and reinstalls torch in the existing .venv; the same value reuses it.
 TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: verify test lint bench experiments paper tables clean
+.PHONY: verify test test-long lint bench experiments paper tables clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,9 +31,13 @@ $(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 verify: $(VENV)/.installed
 	$(PY) -m verify $(VERIFY_ARGS)
 
-# The tests (CI runs exactly this).
+# The tests, on both cores (CI runs this, then test-long).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" $(PYTEST_ARGS)
+
+# The interpreter's longest cases (marked slow): the same kernel paths at more sizes.
+test-long: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m slow $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -167,3 +167,21 @@ class LinearTestHelpers:
 def lin():
     """The nf4.linear tests' helpers (LinearTestHelpers)."""
     return LinearTestHelpers
+
+
+# The interpreter's longest cases (tens of seconds each on a 2-core machine): `make test-long` runs them (CI runs
+# both targets). Every kernel path stays in `make test` through the same tests' other cases (the word GEMV at
+# blocksizes 32, 64 and 256, its model at 32 and 64, flush-to-zero through the dequantize tests and the sum bound).
+SLOW = {
+    "test_operand.py::test_forward_operand[gemv-table-128]",
+    "test_operand.py::test_ftz_flushes_subnormal_weights",
+    "test_operand.py::test_subnormal_weights_ieee[gemv-table-False]",
+    "test_model.py::test_table_gemv_matches_word_model[128-bf16]",
+    "test_model.py::test_table_gemv_matches_word_model[128-fp16]",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("/")[-1] in SLOW:
+            item.add_marker(pytest.mark.slow)
