@@ -42,12 +42,11 @@ runs each mode's asm text in a PTX emulator against the reference. GPU only (inl
 
 from __future__ import annotations
 
-import math
-
 import triton
 import triton.language as tl
 
 from nf4.device import absmax_of_block, load_v4, mma_16x8x16, product_table, table_pairs
+from nf4.linear.gemv_pair import pair_asm, pair_constants, pair_shift  # noqa: F401 (the pair decode is the product's)
 from reference.format import NF4_CODE
 
 MODES = {"prmt": 0, "pair": 1, "level_prmt": 2, "level_imad": 3}
@@ -59,20 +58,6 @@ PAIR_TABLE = "nf4lab_pairs"
 
 # --- PTX text (one line each: Inductor-safe, like nf4.device) ---------------------------------------------------
 
-def pair_shift(copies: int) -> int:
-    """log2 of the byte stride of the pair table's entries: 8 bytes per copy."""
-    s = int(math.log2(8 * copies))
-    if 8 * copies != 2**s or s > 8:
-        raise ValueError(f"copies must be a power of two up to 32, got {copies}")
-    return s
-
-
-def pair_constants(copies: int, lanebase: int) -> tuple[int, ...]:
-    """The pair decode's run-time operands after the absmax: X = lanebase << (16 - s), then 2^16, 2^8, 1,
-    2^(16+s), 2^(8+s); lanebase = the table's base + 8 * the lane's copy (`pair_asm`)."""
-    s = pair_shift(copies)
-    return lanebase << (16 - s), 1 << 16, 1 << 8, 1, 1 << (16 + s), 1 << (8 + s)
-
 
 # level_imad: lo32 multipliers (log2) moving the low nibble of byte k = 0, 1, 2 to bits 28-31, the same for the
 # high nibble, then the hi32 multipliers: * 2^6 (nibble at bits 28-31 -> nibble * 4) and * 2^10 (low nibble of
@@ -82,28 +67,6 @@ LEVEL_MULTIPLIERS = (28, 20, 12, 24, 16, 8, 6, 10)
 
 def _cvt(dtype: str, hi: str, lo: str, dst: str) -> str:
     return f"cvt.rn.{dtype}x2.f32 {dst}, {hi}, {lo};"
-
-
-def pair_asm(dtype: str) -> str:
-    """$0-$3: pairs of bytes 0-3 of word $4; $5 the lane's base (table base + 8 * copy), $6 the absmax, $7..$12
-    `pair_constants`.
-
-    Byte b of the word is looked up at lanebase + b * 2^s: v0 = w & 0x00FF00FF = b2 << 16 | b0 and
-    v1 = w & 0xFF00FF00 = b3 << 24 | b1 << 8; u0 = lo32(v0 * 2^16) + X = b0 << 16 + X, u1 = lo32(v1 * 2^8) + X,
-    u2 = v0 + X with X = lanebase << (16 - s); then hi32(u * 2^(16+s)) = u >> (16 - s) = b << s + lanebase
-    (b0 < 2^(16-s) shifts out of u2 for s <= 8; no overflow while lanebase < 2^23, i.e. the shared window of a
-    CTA launched without clusters). Byte 3: hi32(v1 * 2^(8+s)) = b3 << s, plus lanebase by an IMAD with the
-    run-time 1. All ten are IMAD / IMAD.HI (FMA pipe): a plain add of the base after a mul.hi is what ptxas
-    folds into an IMAD.HI with a 64-bit addend, whose register pair costs MOVs (ALU) every time."""
-    lines = ["{", ".reg .b32 v0, v1, u0, u1, u2, t3, a0, a1, a2, a3;", ".reg .f32 h0, h1, h2, h3, l0, l1, l2, l3;",
-             "and.b32 v0, $4, 0x00FF00FF;", "and.b32 v1, $4, 0xFF00FF00;",
-             "mad.lo.u32 u0, v0, $8, $7;", "mad.lo.u32 u1, v1, $9, $7;", "mad.lo.u32 u2, v0, $10, $7;",
-             "mul.hi.u32 a0, u0, $11;", "mul.hi.u32 a1, u1, $11;", "mul.hi.u32 a2, u2, $11;",
-             "mul.hi.u32 t3, v1, $12;", "mad.lo.u32 a3, t3, $10, $5;"]
-    lines += [f"ld.shared.v2.f32 {{h{k}, l{k}}}, [a{k}];" for k in range(4)]  # (level of element 2j, of 2j + 1)
-    lines += [f"mul.rn.ftz.f32 h{k}, h{k}, $6; mul.rn.ftz.f32 l{k}, l{k}, $6;" for k in range(4)]
-    lines += [_cvt(dtype, f"l{k}", f"h{k}", f"${k}") for k in range(4)]  # element 2j + 1 in the high half
-    return " ".join([*lines, "}"])
 
 
 def level_prmt_asm(dtype: str) -> str:
