@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import runtime
-from ..weight import NF4Weight, RepeatCache, StateCheck, quant_state_of, unpack
+from ..weight import NF4Weight, RepeatCache, StateCheck, plain, quant_state_of, unpack
 from .config import DequantConfig
 from .launch import launch
 
@@ -46,8 +46,8 @@ class _Entry(StateCheck):
         return out.t() if transpose else out
 
     def fits_out(self, out) -> bool:
-        """A caller's `out` the bound kernel can write: the entry's shape, dtype and device, contiguous, 16-byte
-        aligned where the compiled kernel assumes it, and sharing no memory with the weight's tensors."""
+        """A caller's `out` the bound kernel can write: the entry's shape, dtype and device, contiguous, and 16-byte
+        aligned where the compiled kernel assumes it (the caller also checks it shares no memory with the inputs)."""
         return (type(out) is torch.Tensor and out.dtype is self.w.dtype and out.shape == self.w.shape
                 and out.get_device() == self.index and out.is_contiguous()
                 and (not self.out_aligned or out.data_ptr() % 16 == 0))
@@ -94,12 +94,20 @@ def check_out(out, w: NF4Weight, out_dtype) -> None:
         raise ValueError("out must be contiguous")
     if torch.compiler.is_compiling() or out.is_meta:  # (traced and meta tensors have no addresses to compare)
         return
-    for name, t in (("the packed weight", w.packed), ("quant_state.absmax", w.absmax),
+    name = _shared(out, w.packed, w)
+    if name is not None:
+        raise ValueError(f"out shares memory with {name}: expected a separate buffer (the kernel would overwrite "
+                         "its own input)")
+
+
+def _shared(out, packed, w: NF4Weight) -> str | None:
+    """The input `out` shares memory with (the packed weight or a state tensor), else None."""
+    for name, t in (("the packed weight", packed), ("quant_state.absmax", w.absmax),
                     ("quant_state.state2.absmax", w.absmax2), ("quant_state.state2.code", w.code2),
                     ("quant_state.offset", w.offset)):
         if t is not None and _overlap(out, t):
-            raise ValueError(f"out shares memory with {name}: expected a separate buffer (the kernel would "
-                             "overwrite its own input)")
+            return name
+    return None
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -135,7 +143,7 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
                     and entry.matches(qs, packed)):
                 if out is None:
                     return entry.run(packed, None)
-                if entry.fits_out(out) and not _overlaps_state(out, entry, packed):
+                if entry.fits_out(out) and _shared(out, plain(packed), entry.w) is None:
                     return entry.run(packed, out)
     if ftz is not None and not isinstance(ftz, (bool, np.bool_)):
         raise TypeError(f"ftz must be True, False or None (the device's default), got {type(ftz).__name__} {ftz!r}")
@@ -150,14 +158,6 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
                          f"transposed, but quant_state.shape {w.shape} has more than 2 dimensions: expected a packed "
                          "tensor of shape (n, 1) for it")
     return dequantize_weight(w, qs, out=out, dtype=dtype, ftz=ftz, config=config)
-
-
-def _overlaps_state(out, entry: _Entry, packed) -> bool:
-    w = entry.w
-    if type(packed) is not torch.Tensor:
-        with _NO_TORCH_FUNCTION():
-            packed = packed.as_subclass(torch.Tensor)
-    return any(t is not None and _overlap(out, t) for t in (packed, w.absmax, w.absmax2, w.code2, w.offset))
 
 
 def dequantize_weight(w: NF4Weight, qs=None, *, out=None, dtype=None, ftz=None, config=None) -> torch.Tensor:
