@@ -425,7 +425,10 @@ def main(argv=None) -> int:
     rows = count_builds(args.builds, args.arch)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"arch": args.arch, "builds": rows}, indent=1))
+        from verify.timing import environment
+
+        payload = {"arch": args.arch, "environment": environment(), "builds": rows}
+        Path(args.json).write_text(json.dumps(payload, indent=1))
     if not args.quiet:
         print(table(rows))
     return 0
