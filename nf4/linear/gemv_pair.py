@@ -20,8 +20,8 @@ x's own pair order, so x needs no permutation. Per 8 weights: 6 ALU (2 LOP3 + 4 
 The operand is `round_{x dtype}(mul(NF4[nibble], absmax))`, `nf4.dequantize(W).to(x.dtype)` where W's dtype is
 x's; experiments.labs.models runs this file's asm text against the reference (tests/experiments/test_labs_gemv.py).
 
-Not in the tuned table: it measured slower than the table's row on an H200 (25.9 against 22.8 us at 14336x4096,
-M = 1: `python -m experiments.labs.gemv_lut`, the lab's pair16). `LinearConfig(kernel="gemv_pair", ...)` runs
+Not in the tuned table: in an exploratory H200 run (not committed) it was slower than the table's row at
+14336x4096, M = 1 (`python -m experiments.labs.gemv_lut` measures both, the lab's pair16 and nf4.linear). `LinearConfig(kernel="gemv_pair", ...)` runs
 it; the fields it reads: num_warps (16 rows of W per warp), programs_per_sm (persistent programs per
 multiprocessor; the lab's pair16 took 6 of 4 warps), split_k (0: enough K segments for the programs), maxnreg,
 bf16_bits. Needs a CUDA GPU of sm_80 or later (inline PTX), M <= 16, W's dtype == x's, blocksize 64, K a
