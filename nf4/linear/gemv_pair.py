@@ -21,12 +21,12 @@ The operand is `round_{x dtype}(mul(NF4[nibble], absmax))`, `nf4.dequantize(W).t
 x's; experiments.labs.models runs this file's asm text against the reference (tests/experiments/test_labs_gemv.py).
 
 Not in the tuned table: in an exploratory H200 run (not committed) it was slower than the table's row at
-14336x4096, M = 1 (`python -m experiments.labs.gemv_lut` measures both, the lab's pair16 and nf4.linear). `LinearConfig(kernel="gemv_pair", ...)` runs
-it; the fields it reads: num_warps (16 rows of W per warp), programs_per_sm (persistent programs per
-multiprocessor; the lab's pair16 took 6 of 4 warps), split_k (0: enough K segments for the programs), maxnreg,
-bf16_bits. Needs a CUDA GPU of sm_80 or later (inline PTX), M <= 16, W's dtype == x's, blocksize 64, K a
-multiple of 256, x contiguous, x and the packed bytes 16-byte aligned (`runnable`); elsewhere the word GEMV of
-its shape takes over (SIMPLER).
+14336x4096, M = 1 (`python -m experiments.labs.gemv_lut` measures both, the lab's pair16 and nf4.linear).
+`LinearConfig(kernel="gemv_pair", ...)` runs it; the fields it reads: num_warps (16 rows of W per warp),
+programs_per_sm (persistent programs per multiprocessor; the lab's pair16 took 6 of 4 warps), split_k (0: enough
+K segments for the programs), maxnreg, bf16_bits. Needs a CUDA GPU of sm_80 or later (inline PTX), M <= 16,
+W's dtype == x's, blocksize 64, K a multiple of 256, x contiguous, x and the packed bytes 16-byte aligned
+(`runnable`); elsewhere the word GEMV of its shape takes over (SIMPLER).
 """
 
 from __future__ import annotations
