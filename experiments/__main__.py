@@ -30,6 +30,9 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("qlora", help="GPU: QLoRA train step and decode, bitsandbytes alone against nf4 patched in "
                    "(experiments.qlora)", add_help=False)
+    sub.add_parser("decode", help="GPU: greedy decode and prefill of full-depth Llama-3-8B / Qwen2.5-7B-shaped 4-bit "
+                   "models, dense, bitsandbytes alone and nf4 patched, eager and compiled (experiments.decode)",
+                   add_help=False)
     sub.add_parser("fsdp-qlora", help="GPUs (or --cpu): FSDP-QLoRA training steps sharded over one process per GPU, "
                    "bitsandbytes alone against nf4 patched in (experiments.fsdp_qlora)", add_help=False)
     sub.add_parser("compile-dequant", help="GPU: torch.compile'd nf4.dequantize, triton_op against the opaque op "
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit",
                             "gemm-limit", "linear-bounds", "linear-host", "call-forms", "catalog", "catalog-bench",
-                            "tune-dequant"):
+                            "tune-dequant", "decode"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])
