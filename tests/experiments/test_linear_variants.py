@@ -302,6 +302,7 @@ def _builds_ok(rows):
         assert b["enable_fp_fusion"] is True  # nf4.linear compiles with contraction on (products of 16-bit floats)
 
 
+@pytest.mark.slow  # an offline sm_75 build of every linear variant (make test-long)
 def test_sm75_production_builds(sm75_builds):
     """At M = 1 a T4 (40 multiprocessors) launches the codebook-0 GEMV with the split nf4.linear.launch.auto_split
     picks for it: 448 blocks of 32 rows, 64 steps, 640 programs at once, so split 2 is two waves of 32 steps,
@@ -327,6 +328,7 @@ def test_sm75_production_builds(sm75_builds):
                and b["constexprs"]["BLOCK"] == linear_launch.SUM_BLOCK for b in found if b["launch"] == 1)
 
 
+@pytest.mark.slow  # an offline sm_75 build of every linear variant (make test-long)
 def test_sm75_tl_dot_is_fma(sm75_builds):
     """tl.dot compiles for sm_75 in fp16 and bf16, as float32 FMAs (no mma.sync before sm_80 in this Triton)."""
     result, builds = sm75_builds
@@ -343,6 +345,7 @@ def test_sm75_tl_dot_is_fma(sm75_builds):
     assert not sm75.failures(result)
 
 
+@pytest.mark.slow  # an offline sm_75 build of every linear variant (make test-long)
 def test_sm75_word_gemv_not_built(sm75_builds):
     """The word GEMVs' rows (l06's product table, l30/l33's tensor cores) say why they have no sm_75 build;
     nothing (the codebook-0 fallback least of all) is compiled in their names, and such a row is not a failure."""
