@@ -114,6 +114,9 @@ def source_spec(kernel, args, options) -> dict:
             signature[name] = _pointer_type(value.dtype)
             if value.data_ptr() % 16 == 0:  # fresh allocations are 16-byte aligned (meta: 0)
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, str) and value.startswith("*"):  # a pointer given by its type ("*bf16"), aligned
+            signature[name] = value
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[name] = "u1"
         elif isinstance(value, int):

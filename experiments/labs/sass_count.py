@@ -164,35 +164,15 @@ def histogram(body: list[str], weights: float) -> dict:
 
 def source_spec(kernel, args: dict) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of a launch with arguments `args` (by parameter name), as Triton's JIT
-    specialises them: pointers are given as type strings ("*bf16"), assumed 16-byte aligned; an int that is 1
-    becomes a constexpr and a multiple of 16 gets the divisibility hint, unless the parameter is
-    do_not_specialize."""
-    signature, constexprs, attrs = {}, {}, {}
+    specialises them (experiments.sm75.source_spec): pointers given as type strings ("*bf16") are assumed 16-byte
+    aligned."""
+    from experiments.sm75 import source_spec as spec
+
     missing = [p.name for p in kernel.params if p.name not in args]
     if missing:
         raise TypeError(f"{kernel.__name__}: no value for {missing}")
-    for i, param in enumerate(kernel.params):
-        name, value = param.name, args[param.name]
-        specialize = not getattr(param, "do_not_specialize", False)
-        if param.is_constexpr:
-            signature[name], constexprs[name] = "constexpr", value
-        elif isinstance(value, str) and value.startswith("*"):
-            signature[name] = value
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool):
-            signature[name] = "u1"
-        elif isinstance(value, int):
-            if specialize and value == 1:
-                signature[name], constexprs[name] = "constexpr", 1
-                continue
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if specialize and value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
-            raise TypeError(f"{kernel.__name__}: cannot type argument {name}={value!r}")
-    return signature, constexprs, attrs
+    s = spec(kernel, [args[p.name] for p in kernel.params], {})
+    return s["signature"], s["constexprs"], s["attrs"]
 
 
 def compile_offline(kernel, args: dict, num_warps: int, arch: int = 90, fp_fusion: bool = False):
