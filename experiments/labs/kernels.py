@@ -45,8 +45,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nf4.device import absmax_of_block, load_v4, mma_16x8x16, product_table, table_pairs
-from nf4.linear.gemv_pair import pair_asm, pair_constants, pair_shift  # noqa: F401 (the pair decode is the product's)
+from nf4.device import absmax_of_block, load_v4, product_table, table_pairs
+from nf4.linear.gemv_pair import mma_pairs, pair_asm, pair_constants, pair_shift  # noqa: F401 (the product's)
 from reference.format import NF4_CODE
 
 MODES = {"prmt": 0, "pair": 1, "level_prmt": 2, "level_imad": 3}
@@ -217,14 +217,8 @@ def _word(wa, wb, q: tl.constexpr, xp0, xp1, base, amax_a, amax_b,
                                 m0, m1, m2, m3, m4, m5, m6, m7, m8, MODE, PRMT_WORDS, X_DT)
     pb0, pb1, pb2, pb3 = _pairs(wb, q, base, amax_b, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
                                 m0, m1, m2, m3, m4, m5, m6, m7, m8, MODE, PRMT_WORDS, X_DT)
-    x0, x1, x2, x3 = load_v4(xp0 + 4 * q, False)
-    c00, c01, c02, c03 = mma_16x8x16(pa0, pb0, pa1, pb1, x0, x1, c00, c01, c02, c03, X_DT)
-    c04, c05, c06, c07 = mma_16x8x16(pa2, pb2, pa3, pb3, x2, x3, c04, c05, c06, c07, X_DT)
-    if NTILE == 2:
-        y0, y1, y2, y3 = load_v4(xp1 + 4 * q, False)
-        c10, c11, c12, c13 = mma_16x8x16(pa0, pb0, pa1, pb1, y0, y1, c10, c11, c12, c13, X_DT)
-        c14, c15, c16, c17 = mma_16x8x16(pa2, pb2, pa3, pb3, y2, y3, c14, c15, c16, c17, X_DT)
-    return c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17
+    return mma_pairs(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, q, xp0, xp1, c00, c01, c02, c03, c04, c05, c06, c07,
+                     c10, c11, c12, c13, c14, c15, c16, c17, X_DT, NTILE)
 
 
 @triton.jit

@@ -154,6 +154,16 @@ def _word(wa, wb, q, xp0, xp1, base, amax_a, amax_b, m0, m1, m2, m3, m4, m5,
     """Word q of the lane's 8 (rows g: wa, g + 8: wb) against x's pairs at the same bytes (tile u at xp_u)."""
     pa0, pa1, pa2, pa3 = _pairs(wa, base, amax_a, m0, m1, m2, m3, m4, m5, X_DT, FTZ)
     pb0, pb1, pb2, pb3 = _pairs(wb, base, amax_b, m0, m1, m2, m3, m4, m5, X_DT, FTZ)
+    return mma_pairs(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, q, xp0, xp1, c00, c01, c02, c03, c04, c05, c06, c07,
+                     c10, c11, c12, c13, c14, c15, c16, c17, X_DT, NTILE)
+
+
+@triton.jit
+def mma_pairs(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, q, xp0, xp1,
+              c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17,
+              X_DT: tl.constexpr, NTILE: tl.constexpr):
+    """A word's decoded pairs (rows g: pa*, g + 8: pb*) times x's pairs at the same bytes (tile u at xp_u), into the
+    accumulators of one or two 8-row tiles of x (the GEMV lab's decodes share this)."""
     x0, x1, x2, x3 = load_v4(xp0 + 4 * q, False)
     c00, c01, c02, c03 = mma_16x8x16(pa0, pb0, pa1, pb1, x0, x1, c00, c01, c02, c03, X_DT)
     c04, c05, c06, c07 = mma_16x8x16(pa2, pb2, pa3, pb3, x2, x3, c04, c05, c06, c07, X_DT)
