@@ -396,14 +396,18 @@ def dequant_shape(n: int, k: int, dtypes, copy_gbs: float, unsloth, unsloth_miss
         for dt in dtypes:
             rows.append(_dequant_row(n, k, DTYPES[dt], packed, qs, copy_gbs, unsloth, unsloth_missing, calls, reps))
             log(_line(rows[-1]), flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
+            _free()
     finally:
         packed.clear()
         del qs
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free()
     return rows
+
+
+def _free() -> None:
+    """Give the device memory of the tensors just dropped back (one shape's weights at a time on the GPU)."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _dequant_row(n, k, dtype, packed, qs, copy_gbs, unsloth, unsloth_missing, calls, reps) -> dict:
@@ -468,15 +472,13 @@ def linear_shape(n: int, k: int, dtypes, ms, copy_gbs: float, unsloth, unsloth_m
         for dt in dtypes:
             rows += _linear_rows(n, k, DTYPES[dt], ms, packed, qs, device_name, copy_gbs, unsloth, unsloth_missing,
                                  calls, reps, log)
-            gc.collect()
-            torch.cuda.empty_cache()
+            _free()
             if save is not None:
                 save(rows)
     finally:
         packed.clear()
         del qs
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free()
     return rows
 
 
