@@ -30,6 +30,7 @@ import torch
 import triton
 
 from . import kernels as K
+from . import staged, stream
 
 # name -> (mode, copies, prmt_words, num_warps, programs per SM)
 CANDIDATES = {
@@ -41,6 +42,10 @@ CANDIDATES = {
     "level_prmt": ("level_prmt", 1, 0, 4, 8),
     "level_imad": ("level_imad", 1, 0, 4, 8),
     "prmt": ("prmt", 1, 0, 4, 8),
+    "none": ("none", 1, 0, 4, 8),  # control: the skeleton without a decode (not exact)
+    "none_fs": ("none", 1, 0, 4, 8),  # _fs: whole-sector loads (kernels._fetch FULLSEC)
+    "pair16_fs": ("pair", 16, 0, 4, 6),
+    "pair16_fs5": ("pair", 16, 0, 4, 5),
 }
 DEFAULT_CANDIDATES = ("pair16", "pair16_w8", "pair8", "pair16_p2", "pair16_p4", "level_prmt", "prmt")
 _CODE = {}
@@ -90,6 +95,7 @@ def lab_linear(x: torch.Tensor, packed: torch.Tensor, qs, candidate: str, out: t
         m, n, k // 2, p["split"], p["seg"], p["tiles"], 1,
         MODE=p["mode"], PRMT_WORDS=p["prmt_words"], COPIES=p["copies"], SHIFT=K.pair_shift(p["copies"]),
         X_DT=x_dt, NTILE=p["ntile"], THREADS=32 * p["num_warps"], PARTIAL=partial, FTZ=True,
+        FULLSEC=int("_fs" in candidate),
         num_warps=p["num_warps"])
     if partial:
         block = 256
@@ -160,6 +166,20 @@ def run_weight(n: int, k: int, ms, candidates, dtype, copy_gbs: float, log=print
         rows.append({**base, "provider": "dense F.linear [N, K/4]", "operand_mismatches": None,
                      "graph_us": timed(lambda i, xd=xd: torch.nn.functional.linear(xd, dense[i % len(dense)]))})
         for cand in candidates:
+            lab = next((mod for mod in (stream, staged) if cand in mod.CANDIDATES), None)
+            if lab is not None:
+                row = {**base, "provider": cand}
+                try:
+                    y = lab.linear(x, sets[0][0], sets[0][1], cand)
+                    torch.cuda.synchronize()
+                    row["plan"] = lab.plan_of(cand, x, sets[0][1])
+                    row["operand_mismatches"] = operand_mismatches(y, wd, cols, scales)
+                    row["graph_us"] = timed(lambda i, c=cand, x=x, lab=lab: lab.linear(
+                        x, sets[i % len(sets)][0], sets[i % len(sets)][1], c))
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                rows.append(row)
+                continue
             p = plan(n, k, m, cand, sms)
             row = {**base, "provider": cand, "plan": p}
             try:
@@ -191,7 +211,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["14336x4096", "4096x14336", "4096x4096"])
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16])
-    ap.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES), choices=sorted(CANDIDATES))
+    ap.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
+                    choices=sorted(CANDIDATES) + sorted(stream.CANDIDATES) + sorted(staged.CANDIDATES))
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", default="build/labs/gemv_lut.json")
     ap.add_argument("--no-sass", action="store_true", help="skip the offline SASS counts")

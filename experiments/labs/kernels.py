@@ -32,6 +32,8 @@ The decode of a word (4 packed bytes, 8 weights: byte j holds element 2j in its 
   `ld.shared.f32`, `mul.rn.ftz.f32` and one F2FP per two weights.
 - 3 `level_imad`: the same table, the address by multiplies like MODE 1: v0 = w & 0x0F0F0F0F, v1 =
   w & 0xF0F0F0F0, lo32 moves the nibble to bits 28-31, hi32(. * 2^6) = nibble * 4 (+ base).
+- 4 `none` (a control, not exact): no lookup at all; the word and its absmax's bits stand in for the pairs
+  (one ALU instruction per pair), so that the skeleton's loads, absmax chain and tensor-core products run alone.
 PRMT_WORDS (MODE 1-3): the first PRMT_WORDS of a lane's 8 words per row and step take MODE 0's decode instead
 (candidate d: part of the lookups on the ALU pipe, the rest on shared memory, to balance the two pipes).
 
@@ -49,7 +51,7 @@ from nf4.device import absmax_of_block, load_v4, product_table, table_pairs
 from nf4.linear.gemv_pair import mma_pairs, pair_asm, pair_constants, pair_shift  # noqa: F401 (the product's)
 from reference.format import NF4_CODE
 
-MODES = {"prmt": 0, "pair": 1, "level_prmt": 2, "level_imad": 3}
+MODES = {"prmt": 0, "pair": 1, "level_prmt": 2, "level_imad": 3, "none": 4}
 STEP_BYTES = 128  # bytes of a row per step: 4 lanes x 32 bytes (one absmax block each)
 STEP = tl.constexpr(STEP_BYTES)
 LEVEL_TABLE = "nf4lab_levels"
@@ -185,6 +187,9 @@ def word_pairs(w, base, amax, m0, m1, m2, m3, m4, m5, m6, m7, one, MODE: tl.cons
         else:
             r = tl.inline_asm_elementwise(LEVEL_PRMT_F16, "=r,=r,=r,=r,r,r,r", [w, base, amax],
                                           dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
+    elif MODE == 4:  # the control: no lookup, the word and its absmax bits reused as operands (not exact)
+        ab = amax.to(tl.uint32, bitcast=True)
+        r = (w, w ^ ab, w + ab, w | ab)
     else:
         if X_DT == 2:
             r = tl.inline_asm_elementwise(LEVEL_IMAD_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
@@ -244,17 +249,38 @@ def _store(c0, c1, c2, c3, c4, c5, c6, c7, m0, out_ptr, row_a, row_b, t, M, N, p
 
 
 @triton.jit
-def _fetch(wa, wb, ra, rb, j, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, FTZ: tl.constexpr):
-    """The lane's 8 words of each row (at byte j) and the two rows' absmax there (one 64-weight block)."""
-    a0, a1, a2, a3 = load_v4(wa + j // 4, True)
-    a4, a5, a6, a7 = load_v4(wa + j // 4 + 4, True)
-    b0, b1, b2, b3 = load_v4(wb + j // 4, True)
-    b4, b5, b6, b7 = load_v4(wb + j // 4 + 4, True)
-    amax_a = absmax_of_block((ra * KB + j) // 32, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
+def _fetch(wa, wb, ra, rb, c, t, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, FTZ: tl.constexpr,
+           FULLSEC: tl.constexpr):
+    """The lane's 8 words of each row in the step at byte c and the two rows' absmax there: bytes t * 32 ..
+    t * 32 + 31 (one 64-weight block), or with FULLSEC bytes 16t.. and 64 + 16t.. (the 4 lanes of a row read 64
+    contiguous bytes per load: whole sectors; two blocks per lane, the second absmax for words 4-7)."""
+    if FULLSEC:
+        j0 = c + 16 * t
+        j1 = c + 64 + 16 * t
+        a0, a1, a2, a3 = load_v4(wa + j0 // 4, True)
+        a4, a5, a6, a7 = load_v4(wa + j1 // 4, True)
+        b0, b1, b2, b3 = load_v4(wb + j0 // 4, True)
+        b4, b5, b6, b7 = load_v4(wb + j1 // 4, True)
+    else:
+        j0 = c + t * 32
+        j1 = j0
+        a0, a1, a2, a3 = load_v4(wa + j0 // 4, True)
+        a4, a5, a6, a7 = load_v4(wa + j0 // 4 + 4, True)
+        b0, b1, b2, b3 = load_v4(wb + j0 // 4, True)
+        b4, b5, b6, b7 = load_v4(wb + j0 // 4 + 4, True)
+    amax_a = absmax_of_block((ra * KB + j0) // 32, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
                              True)
-    amax_b = absmax_of_block((rb * KB + j) // 32, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
+    amax_b = absmax_of_block((rb * KB + j0) // 32, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True, FTZ,
                              True)
-    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, amax_a, amax_b
+    if FULLSEC:
+        amax_a2 = absmax_of_block((ra * KB + j1) // 32, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True,
+                                  FTZ, True)
+        amax_b2 = absmax_of_block((rb * KB + j1) // 32, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, True,
+                                  FTZ, True)
+    else:
+        amax_a2 = amax_a
+        amax_b2 = amax_b
+    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, amax_a, amax_b, amax_a2, amax_b2
 
 
 @triton.jit(do_not_specialize=["M", "ONE", "SPLIT", "SEG", "TILES"])
@@ -265,6 +291,7 @@ def lab_gemv_kernel(
     MODE: tl.constexpr, PRMT_WORDS: tl.constexpr, COPIES: tl.constexpr, SHIFT: tl.constexpr,  # log2(8 * COPIES)
     X_DT: tl.constexpr,
     NTILE: tl.constexpr, THREADS: tl.constexpr, PARTIAL: tl.constexpr, FTZ: tl.constexpr,
+    FULLSEC: tl.constexpr,  # 0 or 1 (see _fetch)
 ):
     """x @ W^T for M <= 16 (NTILE 8-row tiles of x) on tensor cores; tiles of (64-row block, K segment of SEG
     bytes) t = pid, pid + P, ...: tile t covers rows (t // SPLIT) * 16 * warps.. and K segment t % SPLIT.
@@ -286,7 +313,7 @@ def lab_gemv_kernel(
         base = fill_table(code_ptr, MODE, COPIES, THREADS) + ((lane % COPIES) * 8).to(tl.uint32)  # lanebase
         m0 = base << (16 - SHIFT)  # see pair_constants
         m1, m2, m3, m4, m5 = one << 16, one << 8, one, one << (16 + SHIFT), one << (8 + SHIFT)
-    elif MODE >= 2:
+    elif MODE == 2 or MODE == 3:
         base = fill_table(code_ptr, MODE, COPIES, THREADS)
         m0, m1, m2, m3 = one << 28, one << 20, one << 12, one << 24  # LEVEL_MULTIPLIERS
         m4, m5, m6, m7 = one << 16, one << 8, one << 6, one << 10
@@ -305,22 +332,24 @@ def lab_gemv_kernel(
         end = tl.minimum(first + SEG, KB)
         (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = (
             zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
-        (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _fetch(
-            wa, wb, ra, rb, first + t * 32, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, FTZ)
+        (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b, next_a2,
+         next_b2) = _fetch(wa, wb, ra, rb, first, t, KB, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, FTZ,
+                           FULLSEC)
         for c0 in range(first, end, STEP):
             a0, a1, a2, a3, a4, a5, a6, a7 = na0, na1, na2, na3, na4, na5, na6, na7
             b0, b1, b2, b3, b4, b5, b6, b7 = nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7
-            amax_a, amax_b = next_a, next_b
-            j = c0 + t * 32
-            (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b) = _fetch(
-                wa, wb, ra, rb, tl.minimum(c0 + STEP, end - STEP) + t * 32, KB, always, absmax_ptr, absmax2_ptr,
-                code2_ptr, offset_ptr, FTZ)
+            amax_a, amax_b, amax_a2, amax_b2 = next_a, next_b, next_a2, next_b2
+            j = c0 + t * (32 - 16 * FULLSEC)
+            (na0, na1, na2, na3, na4, na5, na6, na7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, next_a, next_b, next_a2,
+             next_b2) = _fetch(wa, wb, ra, rb, tl.minimum(c0 + STEP, end - STEP), t, KB, always, absmax_ptr,
+                               absmax2_ptr, code2_ptr, offset_ptr, FTZ, FULLSEC)
             ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = one, one, one, one, one, one, one, one
             tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = one, one, one, one, one, one, one, one
             if MODE == 0 or PRMT_WORDS > 0:
                 ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = product_table(amax_a, FTZ, X_DT)
                 tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b, FTZ, X_DT)
             xp0, xp1 = xr0 + j, xr1 + j
+            xh0, xh1 = xp0 + 48 * FULLSEC, xp1 + 48 * FULLSEC  # words 4-7 (FULLSEC: 64 bytes on)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
                 a0, b0, 0, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
@@ -338,19 +367,19 @@ def lab_gemv_kernel(
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
                 c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
-                a4, b4, 4, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+                a4, b4, 4, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
                 c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
-                a5, b5, 5, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+                a5, b5, 5, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
                 c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
-                a6, b6, 6, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+                a6, b6, 6, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
                 c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
-                a7, b7, 7, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+                a7, b7, 7, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
                 c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
         _store(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, row_a, row_b, t, M, N, pid_k, PARTIAL, X_DT)

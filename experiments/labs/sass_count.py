@@ -242,7 +242,7 @@ def lab_args(mode: str, prmt_words: int = 0, copies: int = 16, ntile: int = 1, d
             "M": 1, "N": N_DEMO, "KB": kb, "SPLIT": 2, "SEG": kb // 2, "TILES": 448, "ONE": 1,
             "MODE": MODES[mode], "PRMT_WORDS": prmt_words, "COPIES": copies, "SHIFT": pair_shift(copies),
             "X_DT": 2 if dtype == "bf16" else 1, "NTILE": ntile, "THREADS": 32 * num_warps, "PARTIAL": True,
-            "FTZ": True}
+            "FTZ": True, "FULLSEC": 0}
 
 
 BASELINE_MODULES = ("nf4.linear.gemv_mma", "nf4.linear.kernel")  # where nf4_gemv_mma_kernel has lived
@@ -324,6 +324,36 @@ def product_args(kernel: str = "gemv_pair", m: int = 1, dtype: str = "bf16", **f
     return build
 
 
+def _stream_kernel():
+    from .stream import lab_gemv2_kernel
+
+    return lab_gemv2_kernel
+
+
+def _staged_kernel():
+    from .staged import lab_staged_kernel
+
+    return lab_staged_kernel
+
+
+def skeleton_args(mode: str, copies: int = 1, warps: int = 4, xpre: bool | None = None, stages: int | None = None,
+                  ntile: int = 1) -> dict:
+    """Arguments of the second (stream.py, XPRE) and third (staged.py, STAGES) skeletons at M = 1, bf16, split 2."""
+    from .kernels import MODES, pair_shift
+
+    kb = K_DEMO // 2
+    args = {"x_ptr": "*bf16", "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32",
+            "offset_ptr": "*fp32", "code_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32",
+            "M": 1, "N": N_DEMO, "KB": kb, "SPLIT": 2, "SEG": kb // 2, "ONE": 1, "MODE": MODES[mode],
+            "COPIES": copies, "SHIFT": pair_shift(copies), "X_DT": 2, "NTILE": ntile, "THREADS": 32 * warps,
+            "FTZ": True, "PARTIAL": True}
+    if stages is None:
+        args.update(PRMT_WORDS=0, XPRE=bool(xpre))
+    else:
+        args.update(STAGES=stages)
+    return args
+
+
 # name -> (kernel getter, args, num_warps, unit, what it is)
 BUILDS = {
     "tiny": (_tiny_kernel, {"in_ptr": "*u32", "out_ptr": "*fp32", "n": 7, "ASM": TINY_ASM}, 4, ("FMUL", 1),
@@ -344,6 +374,14 @@ BUILDS = {
                   "nf4_gemv_pair_kernel (product, kernel gemv_pair): (c) as nf4.linear launches it, M = 1"),
     "gemv_pair_m16": (_product_pair_kernel, product_args(m=16, dtype="fp16"), 4, ("HMMA", 4),
                       "nf4_gemv_pair_kernel, M = 16 (2 tiles), fp16"),
+    "s_none": (_stream_kernel, skeleton_args("none", xpre=True), 4, ("HMMA", 8),
+               "second skeleton (stream.py), no decode, x prefetched"),
+    "s_prmt": (_stream_kernel, skeleton_args("prmt", xpre=True), 4, ("HMMA", 8),
+               "second skeleton, prmt decode, x prefetched"),
+    "c_none3": (_staged_kernel, skeleton_args("none", stages=3), 4, ("HMMA", 8),
+                "third skeleton (staged.py), no decode, 3 cp.async stages"),
+    "c_prmt3": (_staged_kernel, skeleton_args("prmt", stages=3), 4, ("HMMA", 8),
+                "third skeleton, prmt decode, 3 cp.async stages"),
 }
 DEFAULT_BUILDS = ("baseline", "prmt", "pair16", "pair8", "level_prmt", "level_imad", "pair16_p2", "pair16_p4",
                   "pair16_m16")

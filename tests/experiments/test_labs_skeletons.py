@@ -1,0 +1,49 @@
+"""experiments.labs.stream and .staged (the GEMV lab's second and third skeletons): their split plans cover every K
+step once, and they build for sm_90 with the loop they claim. Offline; no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.labs import staged, stream
+
+
+@pytest.mark.parametrize("plan", [stream.plan, staged.plan])
+@pytest.mark.parametrize("n, k, warps, slots", [(14336, 4096, 4, 528), (4096, 14336, 2, 924), (1024, 512, 4, 660),
+                                                (129, 4352, 4, 132)])
+def test_plan_covers_every_step_once(plan, n, k, warps, slots):
+    p = plan(n, k, warps, slots)
+    steps = (k // 2) // 128
+    seg_steps = p["seg"] // 128
+    assert p["seg"] % 128 == 0 and p["split"] >= 1
+    assert (p["split"] - 1) * seg_steps < steps <= p["split"] * seg_steps  # no empty segment, none missing
+    assert p["tiles"] == p["row_blocks"] * p["split"] and p["row_blocks"] * 16 * warps >= n
+
+
+def test_occupancy_limits():
+    assert stream.occupancy(64, 4, 4) == 8  # registers: 64 x 32 x 4 warps = 8 Ki a program
+    assert stream.occupancy(255, 4, 4) == 2
+    assert stream.occupancy(32, 4, 1) == 32  # the 32-program cap
+    assert stream.occupancy(32, 100 * 1024, 4) == 2  # shared memory
+
+
+@pytest.fixture(scope="module")
+def builds():
+    from experiments.labs import sass_count as sc
+
+    return {r["build"]: r for r in sc.count_builds(["s_none", "s_prmt", "c_none3", "c_prmt3"])}
+
+
+def test_skeletons_build_for_sm90(builds):
+    """No local memory; one tensor-core product per 8 weights of a lane; the staged skeleton's loop issues its 6
+    cp.async copies (LDGSTS) and reads its slot with 4 LDS.128 + 1 LDS.64 per step (16 words a lane: 128 weights)."""
+    for name, r in builds.items():
+        assert "error" not in r, (name, r.get("error"))
+        assert r["local"] == 0, name
+        assert r["opcodes"].get("HMMA.16816.F32.BF16", 0) == r["weights"] // 8, name
+    for name in ("c_none3", "c_prmt3"):
+        ops = builds[name]["opcodes"]
+        per_step = builds[name]["weights"] // 128
+        assert sum(n for op, n in ops.items() if op.startswith("LDGSTS")) == 6 * per_step, (name, ops)
+        assert ops.get("LDS.128", 0) == 4 * per_step and ops.get("LDS.64", 0) == per_step, (name, ops)
+    assert builds["s_prmt"]["per_weight"]["alu"] > 3 * builds["s_none"]["per_weight"]["alu"]  # the decode's cost
