@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import triton
 
+from . import deep, staged, stream
 from . import kernels as K
-from . import staged, stream
 
 # name -> (mode, copies, prmt_words, num_warps, programs per SM)
 CANDIDATES = {
@@ -166,7 +166,7 @@ def run_weight(n: int, k: int, ms, candidates, dtype, copy_gbs: float, log=print
         rows.append({**base, "provider": "dense F.linear [N, K/4]", "operand_mismatches": None,
                      "graph_us": timed(lambda i, xd=xd: torch.nn.functional.linear(xd, dense[i % len(dense)]))})
         for cand in candidates:
-            lab = next((mod for mod in (stream, staged) if cand in mod.CANDIDATES), None)
+            lab = next((mod for mod in (stream, staged, deep) if cand in mod.CANDIDATES), None)
             if lab is not None:
                 row = {**base, "provider": cand}
                 try:
@@ -206,17 +206,48 @@ def run_weight(n: int, k: int, ms, candidates, dtype, copy_gbs: float, log=print
     return rows
 
 
+def report(paths) -> str:
+    """Markdown: per file (GPU), shape and M, each provider's graph time over the same-bytes cuBLAS GEMV's."""
+    lines = []
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        rows = d["rows"]
+        provs = list(dict.fromkeys(r["provider"] for r in rows if r["provider"] != "dense F.linear [N, K/4]"))
+        lines += [f"{d['device']} ({d['environment'].get('commit', '?')}): time / same-bytes cuBLAS", "",
+                  "| N x K | M | same-bytes us | " + " | ".join(provs) + " |",
+                  "|---|---|---|" + "---|" * len(provs)]
+        keys = list(dict.fromkeys((r["N"], r["K"], r["M"]) for r in rows))
+        for n, k, m in keys:
+            here = {r["provider"]: r for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)}
+            base = here["dense F.linear [N, K/4]"]["graph_us"]
+            cells = []
+            for p in provs:
+                us = here.get(p, {}).get("graph_us")
+                bad = here.get(p, {}).get("operand_mismatches")
+                mark = "" if bad in (0, None) or p.startswith(("none", "s_none", "c_none", "d_none")) else " (inexact)"
+                cells.append(f"{us / base:.2f}{mark}" if us else "-")
+            lines.append(f"| {n} x {k} | {m} | {base:.1f} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.labs.gemv_lut", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["14336x4096", "4096x14336", "4096x4096"])
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
-                    choices=sorted(CANDIDATES) + sorted(stream.CANDIDATES) + sorted(staged.CANDIDATES))
+                    choices=sorted(CANDIDATES) + sorted(stream.CANDIDATES) + sorted(staged.CANDIDATES)
+                    + sorted(deep.CANDIDATES))
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", default="build/labs/gemv_lut.json")
     ap.add_argument("--no-sass", action="store_true", help="skip the offline SASS counts")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                    help="print a markdown table of result files (time over cuBLAS on as many bf16 bytes) and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
     if not torch.cuda.is_available():
         print("gemv_lut needs a CUDA GPU (the SASS counts alone: python -m experiments.labs.sass_count)")
         return 2

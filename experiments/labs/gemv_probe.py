@@ -45,6 +45,8 @@ def providers(names, x, packed, qs, n: int, k: int, fields: dict):
             yield name, lambda wd=wd: torch.nn.functional.linear(x, wd)
         elif name in gemv_lut.stream.CANDIDATES:
             yield name, lambda name=name: gemv_lut.stream.linear(x, packed, qs, name)
+        elif name in gemv_lut.deep.CANDIDATES:
+            yield name, lambda name=name: gemv_lut.deep.linear(x, packed, qs, name)
         elif name in gemv_lut.staged.CANDIDATES:
             yield name, lambda name=name: gemv_lut.staged.linear(x, packed, qs, name)
         else:

@@ -336,6 +336,12 @@ def _staged_kernel():
     return lab_staged_kernel
 
 
+def _deep_kernel():
+    from .deep import lab_deep_kernel
+
+    return lab_deep_kernel
+
+
 def skeleton_args(mode: str, copies: int = 1, warps: int = 4, xpre: bool | None = None, stages: int | None = None,
                   ntile: int = 1) -> dict:
     """Arguments of the second (stream.py, XPRE) and third (staged.py, STAGES) skeletons at M = 1, bf16, split 2."""
@@ -347,7 +353,9 @@ def skeleton_args(mode: str, copies: int = 1, warps: int = 4, xpre: bool | None 
             "M": 1, "N": N_DEMO, "KB": kb, "SPLIT": 2, "SEG": kb // 2, "ONE": 1, "MODE": MODES[mode],
             "COPIES": copies, "SHIFT": pair_shift(copies), "X_DT": 2, "NTILE": ntile, "THREADS": 32 * warps,
             "FTZ": True, "PARTIAL": True}
-    if stages is None:
+    if xpre is None and stages is None:  # deep.py
+        args.update(TILES=896)
+    elif stages is None:
         args.update(PRMT_WORDS=0, XPRE=bool(xpre))
     else:
         args.update(STAGES=stages)
@@ -380,6 +388,9 @@ BUILDS = {
                "second skeleton, prmt decode, x prefetched"),
     "c_none3": (_staged_kernel, skeleton_args("none", stages=3), 4, ("HMMA", 8),
                 "third skeleton (staged.py), no decode, 3 cp.async stages"),
+    "d_none": (_deep_kernel, skeleton_args("none"), 4, ("HMMA", 8), "fourth skeleton (deep.py), no decode"),
+    "d_pair16": (_deep_kernel, skeleton_args("pair", copies=16), 4, ("HMMA", 8),
+                 "fourth skeleton, pair table (16 copies)"),
     "c_prmt3": (_staged_kernel, skeleton_args("prmt", stages=3), 4, ("HMMA", 8),
                 "third skeleton, prmt decode, 3 cp.async stages"),
 }

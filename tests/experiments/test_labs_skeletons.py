@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.labs import staged, stream
+from experiments.labs import deep, staged, stream
 
 
-@pytest.mark.parametrize("plan", [stream.plan, staged.plan])
+@pytest.mark.parametrize("plan", [stream.plan, staged.plan, deep.plan])
 @pytest.mark.parametrize("n, k, warps, slots", [(14336, 4096, 4, 528), (4096, 14336, 2, 924), (1024, 512, 4, 660),
                                                 (129, 4352, 4, 132)])
 def test_plan_covers_every_step_once(plan, n, k, warps, slots):
@@ -31,7 +31,7 @@ def test_occupancy_limits():
 def builds():
     from experiments.labs import sass_count as sc
 
-    return {r["build"]: r for r in sc.count_builds(["s_none", "s_prmt", "c_none3", "c_prmt3"])}
+    return {r["build"]: r for r in sc.count_builds(["s_none", "s_prmt", "c_none3", "c_prmt3", "d_none", "d_pair16"])}
 
 
 def test_skeletons_build_for_sm90(builds):
@@ -47,3 +47,10 @@ def test_skeletons_build_for_sm90(builds):
         assert sum(n for op, n in ops.items() if op.startswith("LDGSTS")) == 6 * per_step, (name, ops)
         assert ops.get("LDS.128", 0) == 4 * per_step and ops.get("LDS.64", 0) == per_step, (name, ops)
     assert builds["s_prmt"]["per_weight"]["alu"] > 3 * builds["s_none"]["per_weight"]["alu"]  # the decode's cost
+    pair = builds["d_pair16"]
+    assert pair["opcodes"].get("LDS.64", 0) == pair["weights"] // 2  # one pair lookup per 2 weights
+
+
+def test_deep_plan_is_one_round_when_tiles_fit():
+    p = deep.plan(14336, 4096, 4, 528)
+    assert p["rounds"] == 1 and p["grid"] == p["tiles"] <= 528
