@@ -14,6 +14,8 @@ stderr):
                                   (results/experiments.csv is read when the JSON is missing)
     results/experiments_sm75.json python -m experiments sm75: the offline sm_75 builds (or .csv), used
                                   when experiments.json carries no sm75 section
+    results/catalog/dequant_<gpu>.json  python -m experiments catalog-bench dequant: the shape catalog
+    results/labs/gemv_skeletons_<gpu>.json  python -m experiments.labs.gemv_lut: the GEMV lab's skeletons
     results/linear/bench_<gpu>.json   python -m experiments bench-linear (gpu: h100, h200): the fused
     results/linear/bench2_<gpu>.json  linear against its peers, bf16 on the bar weights (bench) and fp16
                                   on four more weights (bench2)
@@ -40,6 +42,7 @@ from paper.latex import NM, Document
 from paper.sections import (
     bench,
     bounds,
+    catalog,
     challenge,
     claims,
     codebook,
@@ -89,6 +92,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/linear/ncu/", ncu.build, ncu.load(doc), ncu.load_sweep(doc))
     doc.section("results/qlora_<gpu>.json", qlora.build, qlora.load(doc))
     doc.section("results/linear/host_<gpu>.json", linear_host.build, linear_host.load(doc))
+    doc.section("results/catalog/, results/labs/", catalog.build, catalog.load(doc))
     doc.section("paper/published_claims.json", claims.build, Path(claims_path))
     doc.provenance()
     doc.write("macros.tex", doc.macros_tex())

@@ -1,0 +1,153 @@
+"""results/catalog/dequant_<gpu>.json (`python -m experiments catalog-bench dequant`): nf4.dequantize over the shape
+catalog (every distinct linear-layer shape of the public models in experiments/shapes.json), beside its peers in the
+same run; and results/labs/gemv_skeletons_<gpu>.json (`python -m experiments.labs.gemv_lut`): the GEMV lab's
+skeletons beside cuBLAS's GEMV on as many bf16 bytes.
+
+The catalog table gives, per GPU and peer, the minimum, median and maximum of the peer's time over nf4's (a speedup)
+and the count of rows where nf4 is slower; then nf4's time over the byte floor, and the rows of 16 Mi weights or more
+that reach less than 90 % of the copy bandwidth measured in the run. The figure draws nf4's time over the floor
+against the weight's size. The lab table gives each skeleton's time at M = 1 over the same-bytes GEMV's.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from paper.latex import NM, Document, integer, missing_box, ratio, row, tex
+from paper.sections.linear import GPUS
+
+BIG = 16 * 2**20  # weights: the bar on copy bandwidth applies from here
+BANDWIDTH_BAR = 0.9
+DASHES = "---"
+PEER_NAMES = {"bnb_dequantize_4bit": "bitsandbytes dequantize\\_4bit",
+              "unsloth_dequantize": "Unsloth fast\\_dequantize"}
+LAB = (("nf4.linear", "nf4.linear"), ("none_fs", "control, no decode"), ("prmt", "prmt table"),
+       ("pair16_fs", "pair table"), ("d_none", "deep control"), ("d_pair16", "deep pair"))
+
+
+def load(doc: Document) -> dict:
+    """{"dequant": {gpu tag: payload}, "lab": {gpu tag: payload}}: the files present (each missing one noted)."""
+    out = {"dequant": {}, "lab": {}}
+    for tag, _, label in GPUS:
+        for kind, name, command in (("dequant", f"catalog/dequant_{tag}.json", "experiments catalog-bench dequant"),
+                                    ("lab", f"labs/gemv_skeletons_{tag}.json", "experiments.labs.gemv_lut")):
+            if not (doc.results / name).exists():
+                doc.missing.append(f"results/{name} ({label}: python -m {command})")
+                continue
+            payload = doc.load(name, label=command, required_for=f"catalog section, {label}")
+            if isinstance(payload, dict):
+                out[kind][tag] = payload
+    return out
+
+
+def _timed(payload: dict) -> list[dict]:
+    return [r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("nf4_us") and r.get("floor_us")
+            and r.get("exact", True)]
+
+
+def summary(payload: dict) -> dict:
+    """Per peer (min, median, max speedup, rows slower, rows), nf4 over the floor (min, median, max), and the
+    (rows under the bandwidth bar, rows) of 16 Mi weights or more."""
+    rows = _timed(payload)
+    peers = {}
+    for peer in sorted({p for r in rows for p in (r.get("peers_us") or {})}):
+        s = [r["peers_us"][peer] / r["nf4_us"] for r in rows if (r.get("peers_us") or {}).get(peer)]
+        if s:
+            peers[peer] = (min(s), statistics.median(s), max(s), sum(v < 1 for v in s), len(s))
+    over = [r["nf4_us"] / r["floor_us"] for r in rows]
+    big = [r for r in rows if r["N"] * r["K"] >= BIG]
+    under = sum(r["floor_us"] / r["nf4_us"] < BANDWIDTH_BAR for r in big)
+    return {"peers": peers, "floor": (min(over), statistics.median(over), max(over)) if over else None,
+            "big": (under, len(big)), "rows": len(rows)}
+
+
+def build(doc: Document, data: dict) -> None:
+    dequant = data.get("dequant") or {}
+    sums = {tag: summary(p) for tag, p in dequant.items()}
+    doc.macro("NFcatBandwidthBar", str(round(BANDWIDTH_BAR * 100)))
+    doc.macro("NFcatBigMi", str(BIG // 2**20))
+    for tag, g, _ in GPUS:
+        s = sums.get(tag)
+        doc.macro(f"NFcatRows{g}", integer(s["rows"]) if s else NM)
+        for peer, stem in (("bnb_dequantize_4bit", "Bnb"), ("unsloth_dequantize", "Unsloth")):
+            p = (s or {}).get("peers", {}).get(peer)
+            doc.macro(f"NFcat{stem}Min{g}", ratio(p[0]) if p else NM)
+            doc.macro(f"NFcat{stem}Median{g}", ratio(p[1]) if p else NM)
+            doc.macro(f"NFcat{stem}Slower{g}", integer(p[3]) if p else NM)
+        doc.macro(f"NFcatFloorMedian{g}", ratio(s["floor"][1]) if s and s["floor"] else NM)
+        doc.macro(f"NFcatBigUnder{g}", integer(s["big"][0]) if s else NM)
+        doc.macro(f"NFcatBig{g}", integer(s["big"][1]) if s else NM)
+    _table(doc, sums)
+    _figure(doc, dequant)
+    _lab(doc, data.get("lab") or {})
+
+
+def _table(doc: Document, sums: dict) -> None:
+    if not sums:
+        doc.write("catalog_dequant_table.tex", missing_box(r"results/catalog/dequant\_<gpu>.json (\texttt{python -m "
+                                                           r"experiments catalog-bench dequant} on a GPU)"))
+        return
+    lines = [r"\begin{tabular}{llrrrr}", r"\toprule",
+             row(["GPU", "against", "min", "median", "max", "nf4 slower"]), r"\midrule"]
+    for tag, _, label in GPUS:
+        s = sums.get(tag)
+        if not s:
+            continue
+        for peer, (lo, med, hi, slower, n) in s["peers"].items():
+            lines.append(row([label, PEER_NAMES.get(peer, tex(peer)), ratio(lo), ratio(med), ratio(hi),
+                              f"{slower} of {n}"]))
+        lo, med, hi = s["floor"]
+        under, big = s["big"]
+        lines.append(row([label, "nf4 time / byte floor", ratio(lo), ratio(med), ratio(hi), DASHES]))
+        lines.append(row([label, rf"$\geq${BIG // 2**20}\,Mi weights under {round(BANDWIDTH_BAR * 100)}\,\% of copy "
+                                 r"bandwidth", "", "", "",
+                          f"{under} of {big}"]))
+        lines.append(r"\midrule" if tag != GPUS[-1][0] else "")
+    lines = [ln for ln in lines if ln] + [r"\bottomrule", r"\end{tabular}"]
+    doc.write("catalog_dequant_table.tex", "\n".join(lines) + "\n")
+
+
+
+def _figure(doc: Document, dequant: dict) -> None:
+    plots = []
+    for tag, _, label in GPUS:
+        p = dequant.get(tag)
+        if not p:
+            continue
+        pts = sorted((r["N"] * r["K"], r["nf4_us"] / r["floor_us"]) for r in _timed(p))
+        name = f"catalog_dequant_{tag}.dat"
+        doc.write(name, "weights over\n" + "".join(f"{w} {o:.4f}\n" for w, o in pts))
+        plots.append(rf"\addplot+[only marks, mark size=1pt] table[x=weights, y=over] {{generated/{name}}};"
+                     rf" \addlegendentry{{{label}}}")
+    if not plots:
+        doc.write("fig_catalog_dequant.tex", missing_box(r"results/catalog/dequant\_<gpu>.json"))
+        return
+    body = [r"\begin{tikzpicture}", r"\begin{axis}[width=\linewidth, height=5cm, xmode=log, ymode=log,",
+            r"  xlabel={weights ($N \times K$)}, ylabel={nf4 time / byte floor}, legend pos=north east]",
+            *plots, r"\end{axis}", r"\end{tikzpicture}"]
+    doc.write("fig_catalog_dequant.tex", "\n".join(body) + "\n")
+
+
+def _lab(doc: Document, lab: dict) -> None:
+    if not lab:
+        doc.write("gemv_skeletons_table.tex", missing_box(r"results/labs/gemv\_skeletons\_<gpu>.json"))
+        return
+    shown = [(key, head) for key, head in LAB if any(r.get("provider") == key for p in lab.values()
+                                                     for r in p.get("rows") or [])]
+    lines = [r"\begin{tabular}{ll" + "r" * (len(shown) + 1) + "}", r"\toprule",
+             row(["GPU", r"$N \times K$", r"same bytes (\textmu s)", *[tex(h) for _, h in shown]]), r"\midrule"]
+    for tag, _, label in GPUS:
+        p = lab.get(tag)
+        if not p:
+            continue
+        rows = [r for r in p.get("rows") or [] if r.get("M") == 1]
+        for n, k in dict.fromkeys((r["N"], r["K"]) for r in rows):
+            here = {r["provider"]: r for r in rows if (r["N"], r["K"]) == (n, k)}
+            base = (here.get("dense F.linear [N, K/4]") or {}).get("graph_us")
+            cells = []
+            for key, _ in shown:
+                us = (here.get(key) or {}).get("graph_us")
+                cells.append(ratio(us / base) if us and base else NM)
+            lines.append(row([label, rf"{n}$\times${k}", f"{base:.1f}" if base else NM, *cells]))
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    doc.write("gemv_skeletons_table.tex", "\n".join(lines) + "\n")
