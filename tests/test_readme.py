@@ -41,3 +41,19 @@ def test_the_readme_snippet_runs_on_a_cpu(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "snippet ok" in proc.stdout
+
+
+def test_the_readme_catalog_claims_hold_in_the_committed_results():
+    """The README's speed sentences are checked against results/catalog/dequant_<gpu>.json (no number typed)."""
+    import json
+
+    from paper.sections import catalog
+
+    text = (ROOT / "README.md").read_text()
+    assert "faster than bitsandbytes' on every shape on the H100 and the H200" in text
+    assert "faster at the median on both" in text
+    for gpu in ("h100", "h200"):
+        s = catalog.summary(json.loads((ROOT / "results" / "catalog" / f"dequant_{gpu}.json").read_text()))
+        bnb, unsloth = s["peers"]["bnb_dequantize_4bit"], s["peers"]["unsloth_dequantize"]
+        assert bnb[3] == 0 and bnb[4] == s["rows"] > 0, (gpu, bnb)  # slower on no row
+        assert unsloth[1] > 1.0, (gpu, unsloth)  # the median speedup
