@@ -268,8 +268,6 @@ def linear(x, packed, qs, candidate: str):
     """x @ W^T by a candidate of this skeleton (the contract of experiments.labs.gemv_lut.lab_linear)."""
     import torch
 
-    from .gemv_lut import _code
-
     mode, copies, warps = CANDIDATES[candidate]
     m, k = x.shape
     n = qs.shape[0]
@@ -285,7 +283,7 @@ def linear(x, packed, qs, candidate: str):
                                                                            device=x.device))
         lock = _buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
         compiled = lab_deep_kernel[(p["grid"],)](
-            x, packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, _code(x.device), out, part, lock,
+            x, packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part, lock,
             m, n, k // 2, split, p["seg"], p["tiles"], 1,
             MODE=K.MODES[mode], COPIES=copies, SHIFT=K.pair_shift(copies), X_DT=x_dt, NTILE=1 if m <= 8 else 2,
             THREADS=32 * warps, FTZ=True, PARTIAL=split > 1, num_warps=warps)

@@ -48,13 +48,7 @@ CANDIDATES = {
     "pair16_fs5": ("pair", 16, 0, 4, 5),
 }
 DEFAULT_CANDIDATES = ("pair16", "pair16_w8", "pair8", "pair16_p2", "pair16_p4", "level_prmt", "prmt")
-_CODE = {}
-
-
-def _code(device) -> torch.Tensor:
-    if device not in _CODE:
-        _CODE[device] = torch.tensor(K.NF4_LEVELS, dtype=torch.float32, device=device)
-    return _CODE[device]
+_code = K.levels  # (the name this module's callers used)
 
 
 def plan(n: int, k: int, m: int, candidate: str, sms: int) -> dict:

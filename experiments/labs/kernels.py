@@ -402,3 +402,13 @@ def split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, X_DT: tl.conste
 
 
 NF4_LEVELS = [float(v) for v in NF4_CODE]  # what the host passes as code_ptr (float32, 16 entries)
+_LEVELS: dict = {}
+
+
+def levels(device):
+    """NF4_LEVELS as a float32 tensor on `device` (made once per device): the labs' code_ptr."""
+    if device not in _LEVELS:
+        import torch
+
+        _LEVELS[device] = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+    return _LEVELS[device]

@@ -335,8 +335,6 @@ def linear(x, packed, qs, candidate: str, p: dict | None = None):
     comes from the occupancy of the kernel compiled for it (the first call compiles with split 1)."""
     import torch
 
-    from .gemv_lut import _code
-
     mode, copies, prmt_words, warps, xpre = CANDIDATES[candidate]
     m, k = x.shape
     n = qs.shape[0]
@@ -353,7 +351,7 @@ def linear(x, packed, qs, candidate: str, p: dict | None = None):
                                                                            device=x.device))
         lock = _buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
         compiled = lab_gemv2_kernel[(grid,)](
-            x, packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, _code(x.device), out, part, lock,
+            x, packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part, lock,
             m, n, k // 2, split, seg, 1,
             MODE=K.MODES[mode], PRMT_WORDS=prmt_words, COPIES=copies, SHIFT=K.pair_shift(copies), X_DT=x_dt,
             NTILE=ntile, THREADS=32 * warps, FTZ=True, XPRE=xpre and ntile == 1, PARTIAL=partial, num_warps=warps)
