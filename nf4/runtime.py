@@ -263,36 +263,66 @@ def _segments(values: list, positions: list) -> tuple:
 
 
 def _call_1(ctx, stream, v0):
-    fn, gx, head, s0, s1 = ctx
-    fn(gx, 1, 1, stream, *head, *s0, v0, *s1)
+    fn, gx, s0, s1 = ctx
+    fn(gx, 1, 1, stream, *s0, v0, *s1)
 
 
 def _call_2(ctx, stream, v0, v1):
-    fn, gx, head, s0, s1, s2, swap = ctx
-    if swap:
-        v0, v1 = v1, v0
-    fn(gx, 1, 1, stream, *head, *s0, v0, *s1, v1, *s2)
+    fn, gx, s0, s1, s2 = ctx
+    fn(gx, 1, 1, stream, *s0, v0, *s1, v1, *s2)
+
+
+def _call_3(ctx, stream, v0, v1, v2):
+    fn, gx, s0, s1, s2, s3 = ctx
+    fn(gx, 1, 1, stream, *s0, v0, *s1, v1, *s2, v2, *s3)
+
+
+def _call_4(ctx, stream, v0, v1, v2, v3):
+    fn, gx, s0, s1, s2, s3, s4 = ctx
+    fn(gx, 1, 1, stream, *s0, v0, *s1, v1, *s2, v2, *s3, v3, *s4)
+
+
+def _call_2p(ctx, stream, v0, v1):  # the two slots in the other order
+    fn, gx, s0, s1, s2 = ctx
+    fn(gx, 1, 1, stream, *s0, v1, *s1, v0, *s2)
+
+
+def _call_3p(ctx, stream, *v):
+    fn, gx, s0, s1, s2, s3, a, b, c = ctx
+    fn(gx, 1, 1, stream, *s0, v[a], *s1, v[b], *s2, v[c], *s3)
+
+
+def _call_4p(ctx, stream, *v):
+    fn, gx, s0, s1, s2, s3, s4, a, b, c, d = ctx
+    fn(gx, 1, 1, stream, *s0, v[a], *s1, v[b], *s2, v[c], *s3, v[d], *s4)
 
 
 def _call_n(ctx, stream, *values):
-    fn, gx, head, segments, order = ctx
+    fn, gx, segments, order = ctx
     args = [*segments[0]]
     for i, seg in zip(order, segments[1:], strict=True):
         args.append(values[i])
         args += seg
-    fn(gx, 1, 1, stream, *head, *args)
+    fn(gx, 1, 1, stream, *args)
 
 
-def _call_3(ctx, stream, v0, v1, v2):
-    fn, gx, head, s0, s1, s2, s3, a, b, c = ctx
-    v = (v0, v1, v2)
-    fn(gx, 1, 1, stream, *head, *s0, v[a], *s1, v[b], *s2, v[c], *s3)
+_IN_ORDER = {1: _call_1, 2: _call_2, 3: _call_3, 4: _call_4}
+_PERMUTED = {2: _call_2p, 3: _call_3p, 4: _call_4p}
 
 
-def _call_4(ctx, stream, v0, v1, v2, v3):
-    fn, gx, head, s0, s1, s2, s3, s4, a, b, c, d = ctx
-    v = (v0, v1, v2, v3)
-    fn(gx, 1, 1, stream, *head, *s0, v[a], *s1, v[b], *s2, v[c], *s3, v[d], *s4)
+def splice(launch_fn, grid_x: int, head: tuple, segments: tuple, order: tuple) -> tuple:
+    """(fn, ctx) of a bound call: `fn(ctx, stream, *values)` calls `launch_fn(grid_x, 1, 1, stream, *head, ...)`
+    with the caller's values (`order[j]`: the one for the j-th rebound slot in parameter order) spliced between
+    the bound `segments` (`_segments`). The head is joined to the first segment once; up to four rebound slots
+    take a call of their own (without indexing where the caller's order is the parameter order)."""
+    segments = ((*head, *segments[0]), *segments[1:])
+    if order == tuple(range(len(order))) and len(order) in _IN_ORDER:
+        return _IN_ORDER[len(order)], (launch_fn, grid_x, *segments)
+    if len(order) == 2:
+        return _call_2p, (launch_fn, grid_x, *segments)
+    if len(order) in _PERMUTED:
+        return _PERMUTED[len(order)], (launch_fn, grid_x, *segments, *order)
+    return _call_n, (launch_fn, grid_x, segments, order)
 
 
 def bind(compiled, fn, grid: Sequence[int], args: Mapping[str, Any], rebind: Sequence[str], *,
@@ -316,17 +346,7 @@ def bind(compiled, fn, grid: Sequence[int], args: Mapping[str, Any], rebind: Seq
     segments = _segments(values, positions)
     # order[j]: which rebound value (in the caller's order) fills the j-th rebound slot in parameter order
     order = tuple(sorted(range(len(positions)), key=positions.__getitem__))
-    head_ = (launch_fn, bound.grid_x, head)
-    if len(positions) == 1:
-        bound.fn, bound.ctx = _call_1, (*head_, *segments)
-    elif len(positions) == 2:
-        bound.fn, bound.ctx = _call_2, (*head_, *segments, order != (0, 1))
-    elif len(positions) == 3:
-        bound.fn, bound.ctx = _call_3, (*head_, *segments, *order)
-    elif len(positions) == 4:
-        bound.fn, bound.ctx = _call_4, (*head_, *segments, *order)
-    else:
-        bound.fn, bound.ctx = _call_n, (*head_, segments, order)
+    bound.fn, bound.ctx = splice(launch_fn, bound.grid_x, head, segments, order)
     return bound
 
 

@@ -30,6 +30,7 @@ from . import runtime
 
 PACKED_DTYPES = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32)
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_is = operator.is_
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,13 +95,17 @@ def module_weight(module):
     return inner if inner is not None else getattr(module, "weight", None)
 
 
-def quant_state_of(weight, quant_state=None):
-    """(packed-or-module weight, its QuantState) without checks: the repeat calls' cheap lookup."""
-    if quant_state is None:
-        if not isinstance(weight, torch.Tensor):
-            weight = module_weight(weight)
-        quant_state = getattr(weight, "quant_state", None)
-    return weight, quant_state
+def module_parts(module) -> tuple:
+    """(weight, bias) of a module for the repeat calls: the weight as `module_weight` reads it, the bias from the
+    parameter dict where it is registered there (a Linear4bit registers None without one: `module.bias` would
+    reach it through nn.Module.__getattr__), the attribute otherwise."""
+    params = getattr(module, "_parameters", None)
+    if not isinstance(params, dict):
+        return getattr(module, "weight", None), getattr(module, "bias", None)
+    weight = params.get("weight")
+    if weight is None:
+        weight = getattr(module, "weight", None)
+    return weight, params["bias"] if "bias" in params else getattr(module, "bias", None)
 
 
 def unpack(weight, quant_state):
@@ -215,7 +220,8 @@ class StateCheck:
     Holds the state's tensors (alive as long as the state is) but never the packed tensor or the state.
     `matches(qs, packed)` is True only when the state holds the same objects with the same data pointers,
     versions and sizes, the same shape, blocksize, dtype, quant type and nesting, and the packed tensor has
-    the checked dtype, element count, device, contiguity and 16-byte alignment. Subclasses (the ops' cache
+    the checked dtype, element count, device, contiguity and 16-byte alignment; `check(qs, packed)`, the repeat
+    calls' form of it, gives the packed tensor's data pointer then (else -1). Subclasses (the ops' cache
     entries) add their launches.
     """
 
@@ -246,24 +252,48 @@ class StateCheck:
             self.ptr_mod = packed.data_ptr() % 16
 
     def matches(self, qs, packed) -> bool:
-        s2 = self.state2
+        """Whether the state and the packed tensor (plain tensor or Params4bit) are as checked (`check`)."""
+        if type(packed) is not torch.Tensor:
+            if not isinstance(packed, torch.Tensor):
+                return False
+            with _NO_TORCH_FUNCTION():
+                return self.check(qs, packed) >= 0
+        return self.check(qs, packed) >= 0
+
+    def check(self, qs, packed) -> int:
+        """The data pointer of `packed` where `qs` holds what was checked (`state_ok`) and `packed` is bytes this
+        state's launches can read (`packed_ptr`: a tensor whose methods need no Python dispatch), else -1. The
+        repeat calls' one check, both inline."""
         values = self._values
-        if values is not None:
-            # every attribute of the state by identity (shape, dtype, blocksize, quant_type, nested, state2, absmax,
-            # offset, ...), then state2's three the launch reads, then the tensors' pointers, versions and sizes
-            d = getattr(qs, "__dict__", None)
-            if d is None or not _same(tuple(d.values()), values):
-                return False
-            a, o, a2, c2 = self._refs
-            if s2 is not None and (s2.absmax is not a2 or s2.code is not c2 or s2.blocksize != self.s2_blocksize):
-                return False
-            if self._sigs != _sigs(a, o, a2, c2):
-                return False
-            if type(packed) is torch.Tensor:
-                return (packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
-                        and packed.get_device() == self.index and packed.is_contiguous()
-                        and packed.data_ptr() % 16 == self.ptr_mod and (self.index >= 0 or not packed.is_meta))
-            return self.fits(packed)
+        if values is None:  # a state without __dict__ (or checked while tracing: None never matches then)
+            return self.packed_ptr(packed) if self.state_ok(qs) else -1
+        # every attribute of the state by identity (shape, dtype, blocksize, quant_type, nested, state2, absmax,
+        # offset, ...), then state2's three the launch reads, then the tensors' pointers, versions and sizes
+        d = getattr(qs, "__dict__", None)
+        if d is None or len(d) != len(values) or not all(map(_is, d.values(), values)):
+            return -1
+        a, o, a2, c2 = self._refs
+        s2 = self.state2
+        if s2 is not None and (s2.absmax is not a2 or s2.code is not c2 or s2.blocksize != self.s2_blocksize):
+            return -1
+        if a2 is None:  # (_sigs, inline)
+            if self._sigs != (a.data_ptr(), a._version, a.numel(), a.dtype):
+                return -1
+        elif self._sigs != (a.data_ptr(), a._version, a.numel(), a.dtype, o.data_ptr(), o._version, o.numel(), o.dtype,
+                            a2.data_ptr(), a2._version, a2.numel(), a2.dtype, c2.data_ptr(), c2._version, c2.numel(),
+                            c2.dtype):
+            return -1
+        index = self.index  # (packed_ptr, inline)
+        if (packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
+                and packed.get_device() == index and packed.is_contiguous() and (index >= 0 or not packed.is_meta)):
+            ptr = packed.data_ptr()
+            if ptr % 16 == self.ptr_mod:
+                return ptr
+        return -1
+
+    def state_ok(self, qs) -> bool:
+        """Whether `qs` holds what was checked, field by field (`check` compares a state's __dict__ in one pass)."""
+        s2 = self.state2
         if not (qs.shape is self.shape and qs.dtype is self.w.dtype and qs.blocksize == self.blocksize
                 and qs.quant_type == self.quant_type and getattr(qs, "nested", False) is self.nested
                 and getattr(qs, "state2", None) is s2 and (s2 is None or s2.blocksize == self.s2_blocksize)):
@@ -272,9 +302,7 @@ class StateCheck:
         if not (qs.absmax is a and getattr(qs, "offset", None) is o
                 and (s2 is None or (s2.absmax is a2 and s2.code is c2))):
             return False
-        if self._sigs != _sigs(a, o, a2, c2):
-            return False
-        return self.fits(packed)
+        return self._sigs == _sigs(a, o, a2, c2)
 
     def fits(self, packed) -> bool:
         """Whether `packed` (plain tensor or Params4bit) is bytes this state's launches can read."""
@@ -282,13 +310,20 @@ class StateCheck:
             if not isinstance(packed, torch.Tensor):
                 return False
             with _NO_TORCH_FUNCTION():
-                return self._fits(packed)
-        return self._fits(packed)
+                return self.packed_ptr(packed) >= 0
+        return self.packed_ptr(packed) >= 0
 
-    def _fits(self, packed) -> bool:
-        return (packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
+    def packed_ptr(self, packed) -> int:
+        """The data pointer of `packed` (a tensor whose methods need no Python dispatch: a plain one, or any with
+        __torch_function__ disabled) where it is bytes this state's launches can read: the checked dtype, element
+        count and device, contiguous, the same 16-byte alignment, not a meta tensor; else -1."""
+        if (packed.dtype is self.packed_dtype and packed.numel() == self.packed_numel
                 and packed.get_device() == self.index and packed.is_contiguous()
-                and packed.data_ptr() % 16 == self.ptr_mod and (self.index >= 0 or not packed.is_meta))
+                and (self.index >= 0 or not packed.is_meta)):
+            ptr = packed.data_ptr()
+            if ptr % 16 == self.ptr_mod:
+                return ptr
+        return -1
 
 
 def _values(obj) -> tuple | None:
@@ -297,18 +332,15 @@ def _values(obj) -> tuple | None:
     return tuple(d.values()) if d is not None else None
 
 
-def _same(values: tuple, saved: tuple) -> bool:
-    """Whether two tuples hold the same objects (identity, in order)."""
-    return len(values) == len(saved) and all(map(operator.is_, values, saved))
-
-
 def _sigs(absmax, offset, absmax2, code2) -> tuple:
-    """The state tensors' data pointers, versions and sizes: any change of where or how much they hold (a `.data`
-    swap moves the pointer; resize_, set_ and as_strided_ bump the version)."""
+    """The state tensors' data pointers, versions, sizes and dtypes: any change of where, how much or what they hold
+    (a `.data` swap moves the pointer or, with a view of another dtype, keeps it and changes the dtype; resize_, set_
+    and as_strided_ bump the version)."""
     if absmax2 is None:  # not nested: absmax alone
-        return absmax.data_ptr(), absmax._version, absmax.numel()
-    return (absmax.data_ptr(), absmax._version, absmax.numel(), offset.data_ptr(), offset._version, offset.numel(),
-            absmax2.data_ptr(), absmax2._version, absmax2.numel(), code2.data_ptr(), code2._version, code2.numel())
+        return absmax.data_ptr(), absmax._version, absmax.numel(), absmax.dtype
+    return (absmax.data_ptr(), absmax._version, absmax.numel(), absmax.dtype, offset.data_ptr(), offset._version,
+            offset.numel(), offset.dtype, absmax2.data_ptr(), absmax2._version, absmax2.numel(), absmax2.dtype,
+            code2.data_ptr(), code2._version, code2.numel(), code2.dtype)
 
 
 class RepeatCache:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import runtime
-from ..weight import NF4Weight, RepeatCache, StateCheck, plain, quant_state_of, unpack
+from ..weight import NF4Weight, RepeatCache, StateCheck, module_weight, unpack
 from .config import DequantConfig
 from .launch import launch
 
@@ -23,34 +23,62 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE = RepeatCache()
 _ENTRIES = CACHE.entries  # read directly by the repeat call (RepeatCache.get without the call)
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_is_compiling = torch.compiler.is_compiling
+_raw_stream = runtime.raw_stream
 
 
 class _Entry(StateCheck):
-    """A checked QuantState with, from its second call on, its bound launch (`bound`)."""
+    """A checked QuantState with, from its second call on, its bound launch (`bound`) and what a repeat call needs:
+    an empty tensor of the output's dtype and device (`template`), the output's strides and bytes, whether the
+    kernel was specialised on an aligned output, and the bytes of the packed tensor and the state's tensors (whose
+    addresses `check` compares on every call), where a caller's out= must not reach."""
 
-    __slots__ = ("bound", "config", "out_aligned", "strides", "template")
+    __slots__ = ("bound", "config", "out_aligned", "out_bytes", "packed_bytes", "ranges", "strides", "template")
 
-    def run(self, packed, out):
-        """Launch on `packed` (fitting this entry) into `out` (allocated when None); transposed as bitsandbytes
-        returns a row-shaped packed tensor."""
-        if type(packed) is not torch.Tensor:
+    def repeat(self, qs, packed, out):
+        """The repeat call's result: the bound launch on `packed` into `out` (allocated when None), transposed as
+        bitsandbytes returns a row-shaped packed tensor; None where the state, the packed tensor or `out` is not
+        what this entry checked (the full path then decides)."""
+        if type(packed) is torch.Tensor:
+            ptr, shape = self.check(qs, packed), packed.shape
+        elif isinstance(packed, torch.Tensor):  # a Params4bit: its metadata without __torch_function__
             with _NO_TORCH_FUNCTION():
-                ptr, transpose = packed.data_ptr(), packed.size(0) == 1
+                ptr, shape = self.check(qs, packed), packed.shape
         else:
-            ptr, transpose = packed.data_ptr(), packed.size(0) == 1
-        if out is None:
-            # cheaper to call than torch.empty(shape, dtype=, device=) and than new_empty (the strides are given)
+            return None
+        if ptr < 0:
+            return None
+        transpose = len(shape) != 0 and shape[0] == 1
+        if transpose and len(self.w.shape) > 2:
+            return None  # (the full path's error)
+        if out is None:  # (cheaper to call than torch.empty(shape, dtype=, device=) and new_empty: strides given)
             out = self.template.new_empty_strided(self.w.shape, self.strides)
+            out_ptr = out.data_ptr()
+        else:
+            out_ptr = self.out_ptr(out, ptr)
+            if out_ptr < 0:
+                return None
         bound = self.bound
-        bound.fn(bound.ctx, runtime.raw_stream(self.index), ptr, out.data_ptr())
+        bound.fn(bound.ctx, _raw_stream(self.index), ptr, out_ptr)
         return out.t() if transpose else out
 
-    def fits_out(self, out) -> bool:
-        """A caller's `out` the bound kernel can write: the entry's shape, dtype and device, contiguous, and 16-byte
-        aligned where the compiled kernel assumes it (the caller also checks it shares no memory with the inputs)."""
-        return (type(out) is torch.Tensor and out.dtype is self.w.dtype and out.shape == self.w.shape
-                and out.get_device() == self.index and out.is_contiguous()
-                and (not self.out_aligned or out.data_ptr() % 16 == 0))
+    def out_ptr(self, out, packed_ptr: int) -> int:
+        """The data pointer of a caller's `out` the bound kernel can write: the entry's shape, dtype and device,
+        contiguous, 16-byte aligned where the compiled kernel assumes it, sharing no memory with the packed bytes
+        at `packed_ptr` or the state's tensors (what `_shared` checks); else -1."""
+        if not (type(out) is torch.Tensor and out.dtype is self.w.dtype and out.shape == self.w.shape
+                and out.get_device() == self.index and out.is_contiguous()):
+            return -1
+        start = out.data_ptr()
+        if self.out_aligned and start % 16:
+            return -1
+        end = start + self.out_bytes
+        if start < packed_ptr + self.packed_bytes and packed_ptr < end:
+            return -1
+        for a, b in self.ranges:
+            if start < b and a < end:
+                return -1
+        return start
 
 
 def contiguous_strides(shape) -> tuple:
@@ -75,6 +103,11 @@ def _remember(qs, w: NF4Weight, out, compiled, fn, grid, args, asked) -> None:
     entry.out_aligned = out.data_ptr() % 16 == 0  # the kernel was specialised on it
     entry.template = torch.empty(0, dtype=out.dtype, device=out.device)
     entry.strides = contiguous_strides(w.shape)
+    entry.out_bytes = w.n * out.element_size()
+    entry.packed_bytes = w.packed.numel() * w.packed.element_size()
+    # (the state's tensors are the entry's own: `check` holds their addresses and sizes to these on every call)
+    entry.ranges = tuple((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                         for t in (w.absmax, w.absmax2, w.code2, w.offset) if t is not None and t.numel())
     direct = asked is None or asked.direct_launch
     entry.bound = runtime.bind(compiled, fn, grid, args, ("packed_ptr", "out_ptr"), direct=direct)
 
@@ -135,16 +168,17 @@ def dequantize(weight, quant_state=None, *, out: torch.Tensor | None = None, dty
     `shape[0] == 1` (as bitsandbytes and Unsloth do). Inputs are never modified.
     """
     # The repeat call: a bound launch exists only for CUDA tensors with ftz on (the CUDA default).
-    if dtype is None and (ftz is None or ftz is True) and not torch.compiler.is_compiling():
-        packed, qs = (weight, quant_state) if quant_state is not None else quant_state_of(weight)
-        if qs is not None:
-            entry = _ENTRIES.get(id(qs))
-            if (entry is not None and entry.bound is not None and entry.config is config
-                    and entry.matches(qs, packed)):
-                if out is None:
-                    return entry.run(packed, None)
-                if entry.fits_out(out) and _shared(out, plain(packed), entry.w) is None:
-                    return entry.run(packed, out)
+    if dtype is None and (ftz is None or ftz is True) and not _is_compiling():
+        packed, qs = weight, quant_state
+        if qs is None:
+            if not isinstance(weight, torch.Tensor):
+                packed = module_weight(weight)
+            qs = getattr(packed, "quant_state", None)
+        entry = _ENTRIES.get(id(qs))  # (None is never a key)
+        if entry is not None and entry.bound is not None and entry.config is config:
+            y = entry.repeat(qs, packed, out)
+            if y is not None:
+                return y
     if ftz is not None and not isinstance(ftz, (bool, np.bool_)):
         raise TypeError(f"ftz must be True, False or None (the device's default), got {type(ftz).__name__} {ftz!r}")
     if config is not None and not isinstance(config, DequantConfig):

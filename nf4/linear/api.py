@@ -23,7 +23,7 @@ import torch
 
 from .. import runtime
 from ..dequant import dequantize
-from ..weight import NF4Weight, RepeatCache, StateCheck, module_weight, plain, unpack
+from ..weight import NF4Weight, RepeatCache, StateCheck, module_parts, plain, unpack
 from .config import LinearConfig
 from .launch import dense_product, fused, kernel_args, launch_config, split_k
 from .tuned import tuned
@@ -36,6 +36,8 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose methods need no Python dispatch
 CACHE = RepeatCache()
 _ENTRIES = CACHE.entries  # read directly by the repeat call (RepeatCache.get without the call)
+_is_compiling = torch.compiler.is_compiling
+_raw_stream = runtime.raw_stream
 
 
 class _Entry(StateCheck):
@@ -215,11 +217,15 @@ def _forward(x, packed, qs, entry, bias, config, ftz):
 
 
 def _repeat(x, packed, qs, entry: _Entry, bias):
-    """`run` (or, where autograd records, `_LinearFn`) for a repeat call that needs no checks beyond these (else
-    None: the full path decides), through `_fast_call` where it applies. The caller disables __torch_function__ for
-    a Params4bit `packed`."""
+    """The repeat call on a cache entry: None unless the state and the packed tensor are as the entry checked (its
+    `check`), x (a plain tensor) and the bias as the launches need (else the full path decides). `_fast_call` where
+    it applies, else `run` or, where autograd records, `_LinearFn`. The caller disables __torch_function__ for a
+    Params4bit `packed`."""
+    ptr = entry.check(qs, packed)
+    if ptr < 0:
+        return None
     if bias is None:
-        y = _fast_call(x, packed, entry)
+        y = _fast_call(x, ptr, entry)
         if y is not None:
             return y
     index = entry.index
@@ -253,20 +259,20 @@ def _remember_fast(x, entry: _Entry, ftz: bool) -> None:
         entry.fast[shape] = (x.dtype, plan[0], out_shape, strides)
 
 
-def _fast_call(x, packed, entry: _Entry):
-    """The shortest repeat call: x of a shape and dtype that `_remember_fast` noted, no bias, no autograd
-    recording, x contiguous and both pointers 16-byte aligned (as the bound launch was made for). The output, or
-    None (then `_repeat` decides)."""
+def _fast_call(x, packed_ptr: int, entry: _Entry):
+    """The shortest repeat call, on packed bytes at `packed_ptr` that the entry's `check` passed: x of a shape and
+    dtype that `_remember_fast` noted, no bias, no autograd recording, x contiguous and both pointers 16-byte aligned
+    (as the bound launch was made for). The output, or None (then `_repeat` decides)."""
     item = entry.fast.get(x.shape)
     if (item is None or item[0] is not x.dtype or x.get_device() != entry.index or not x.is_contiguous()
             or (x.requires_grad and torch.is_grad_enabled())):
         return None
-    x_ptr, packed_ptr = x.data_ptr(), packed.data_ptr()
+    x_ptr = x.data_ptr()
     if (x_ptr | packed_ptr) & 15:
         return None
     out = x.new_empty_strided(item[2], item[3])  # (cheaper to call than new_empty: the strides are given)
     bound = item[1]
-    bound.fn(bound.ctx, runtime.raw_stream(entry.index), x_ptr, packed_ptr, out.data_ptr())
+    bound.fn(bound.ctx, _raw_stream(entry.index), x_ptr, packed_ptr, out.data_ptr())
     return out
 
 
@@ -282,26 +288,27 @@ def linear(x: torch.Tensor, weight, quant_state=None, bias: torch.Tensor | None 
     bias. config: a `nf4.LinearConfig` (default: the tuned table's choice for this GPU and M).
     ftz: as in `nf4.dequantize` (default on for CUDA, off on CPU). Inputs are never modified.
     """
-    compiling = torch.compiler.is_compiling()
     # The repeat call: a checked weight, x of a fused dtype on its device, not compiling (with or without grad).
-    if config is None and ftz is None and type(x) is torch.Tensor and not compiling:
-        packed, b = weight, bias
-        if quant_state is None and bias is None and not isinstance(weight, torch.Tensor):
-            packed, b = module_weight(weight), getattr(weight, "bias", None)  # a Linear4bit: its weight and bias
-        qs = quant_state if quant_state is not None else getattr(packed, "quant_state", None)  # a Params4bit's own
-        if qs is not None and isinstance(packed, torch.Tensor):
-            entry = _ENTRIES.get(id(qs))
-            if entry is None:
-                y = None
-            elif type(packed) is torch.Tensor:
-                y = _repeat(x, packed, qs, entry, b) if entry.matches(qs, packed) else None
-            else:
+    if config is None and ftz is None and type(x) is torch.Tensor and not _is_compiling():
+        packed, qs, b = weight, quant_state, bias
+        if qs is None:
+            if bias is None and not isinstance(weight, torch.Tensor):
+                packed, b = module_parts(weight)  # a Linear4bit: its weight and bias
+            qs = getattr(packed, "quant_state", None)  # a Params4bit's own
+        entry = _ENTRIES.get(id(qs))  # (None is never a key)
+        if entry is not None:
+            if type(packed) is torch.Tensor:
+                y = _repeat(x, packed, qs, entry, b)
+            elif isinstance(packed, torch.Tensor):
                 # A Params4bit (bitsandbytes' Linear4bit passes its weight so) turns every method call into a
                 # Python __torch_function__ dispatch; none is needed to read its metadata and pointer.
                 with _NO_TORCH_FUNCTION():
-                    y = _repeat(x, packed, qs, entry, b) if entry.matches(qs, packed) else None
+                    y = _repeat(x, packed, qs, entry, b)
+            else:
+                y = None
             if y is not None:
                 return y
+    compiling = _is_compiling()
     if quant_state is None and not isinstance(weight, torch.Tensor) and bias is None:
         bias = getattr(weight, "bias", None)  # a Linear4bit brings its bias
         if isinstance(bias, torch.Tensor) and isinstance(x, torch.Tensor) and bias.dtype != x.dtype:

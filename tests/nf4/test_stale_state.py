@@ -89,6 +89,8 @@ MUTATIONS = {
     "absmax changed in place": lambda p, qs, d: (qs.absmax.copy_(qs.absmax.flip(0)), p)[1],
     "absmax .data swapped": lambda p, qs, d: (setattr(qs.absmax, "data", qs.absmax.flip(0).contiguous()), p)[1],
     "absmax resized in place": lambda p, qs, d: (qs.absmax.resize_(qs.absmax.numel() - 1), p)[1],
+    "absmax .data viewed as int8": lambda p, qs, d: (setattr(qs.absmax, "data", qs.absmax.view(torch.int8)), p)[1],
+    "offset .data viewed as int32": lambda p, qs, d: (setattr(qs.offset, "data", qs.offset.view(torch.int32)), p)[1],
     "absmax float32": lambda p, qs, d: (setattr(qs, "absmax", qs.absmax.float()), p)[1],
     "state2.absmax replaced": lambda p, qs, d: (setattr(qs.state2, "absmax", qs.state2.absmax * 2), p)[1],
     "state2.absmax changed in place": lambda p, qs, d: (qs.state2.absmax.mul_(0.5), p)[1],

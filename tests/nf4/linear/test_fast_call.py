@@ -33,10 +33,16 @@ class _Recorder:
 
 def _served(x, packed, qs):
     """What nf4.linear's repeat call does first (for a plain packed tensor and no bias): the cache entry of the
-    QuantState while it still matches (state and packed tensor), then that entry's fast call; None: refused (the
-    call goes on to the checked path)."""
-    entry = linear_api.CACHE.get(qs, packed)
-    return None if entry is None else linear_api._fast_call(x, packed, entry)
+    QuantState, its check of the state and the packed tensor (the packed pointer, or -1), then that entry's fast
+    call; None: refused (the call goes on to the checked path)."""
+    entry = linear_api.CACHE.peek(qs)
+    ptr = -1 if entry is None else entry.check(qs, packed)
+    return None if ptr < 0 else linear_api._fast_call(x, ptr, entry)
+
+
+def _fast(x, packed, entry):
+    """The entry's fast call on x and the packed tensor's bytes."""
+    return linear_api._fast_call(x, packed.data_ptr(), entry)
 
 
 @pytest.fixture
@@ -76,7 +82,7 @@ def test_fast_entry_made_and_used(fast):
     packed, qs, w, x, rec = fast
     assert set(w.fast) == {x.shape}
     before = x.clone()
-    y1 = linear_api._fast_call(x, packed, w)
+    y1 = _fast(x, packed, w)
     y2 = nf4.linear(x, packed, qs)  # the public call takes the fast entry
     assert y1 is not None and len(rec.calls) == 2
     for y, ptrs in ((y1, rec.calls[0]), (y2, rec.calls[1])):
@@ -90,9 +96,9 @@ def test_fast_entry_made_and_used(fast):
 def test_fast_entry_with_leading_dimensions(fast):
     packed, qs, w, x, rec = fast
     x3 = x.view(1, 3, K)
-    assert linear_api._fast_call(x3, packed, w) is None  # another shape of x: not noted yet
+    assert _fast(x3, packed, w) is None  # another shape of x: not noted yet
     linear_api._remember_fast(x3, w, w.index >= 0)
-    y = linear_api._fast_call(x3, packed, w)
+    y = _fast(x3, packed, w)
     assert y is not None and y.shape == (1, 3, N) and y.stride() == torch.empty((1, 3, N)).stride()
     assert rec.calls[-1] == (x3.data_ptr(), packed.data_ptr(), y.data_ptr())
     y = nf4.linear(x3, packed, qs)  # the public call takes it too
@@ -102,7 +108,7 @@ def test_fast_entry_with_leading_dimensions(fast):
 def _refusals(packed, qs, x):
     """(what changed, x, packed, QuantState, whether the fast call itself refuses) for each call the fast entry must
     not serve; the packed tensors of another byte count or dtype are refused by the cache entry's check
-    (`matches`), before the fast call."""
+    (`check`), before the fast call."""
     unaligned_x = torch.empty(3 * K + 8, dtype=torch.bfloat16)[1:3 * K + 1].view(3, K).copy_(x)
     store = torch.empty(packed.numel() + 16, dtype=packed.dtype)
     unaligned_packed = store[1:packed.numel() + 1].view(packed.shape).copy_(packed)
@@ -123,7 +129,7 @@ def test_fast_call_refuses_what_it_was_not_made_for(fast):
     for what, x2, packed2, qs2, by_fast_call in _refusals(packed, qs, x):
         assert _served(x2, packed2, qs2) is None, what
         if by_fast_call:
-            assert linear_api._fast_call(x2, packed2, w) is None, what
+            assert _fast(x2, packed2, w) is None, what
     assert not rec.calls
     assert _served(x, packed, qs) is not None and len(rec.calls) == 1  # the call it was made for
 
@@ -145,9 +151,9 @@ def test_fast_call_refuses_a_changed_quant_state(fast):
 def test_fast_call_leaves_autograd_to_the_checked_path(fast):
     packed, _, w, x, _ = fast
     xg = x.clone().requires_grad_(True)
-    assert linear_api._fast_call(xg, packed, w) is None
+    assert _fast(xg, packed, w) is None
     with torch.no_grad():
-        y = linear_api._fast_call(xg, packed, w)
+        y = _fast(xg, packed, w)
     assert y is not None and not y.requires_grad
 
 
