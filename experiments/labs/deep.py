@@ -32,7 +32,8 @@ import triton.language as tl
 from nf4.device import load_v4, mul
 
 from . import kernels as K
-from .stream import FENCE, _out, _sum, occupancy
+from .stream import PLANS, _out, buffer, last_program_sums, occupancy, plan_of  # noqa: F401 (plan_of)
+from .stream import plan as stream_plan
 
 STEP = tl.constexpr(128)
 
@@ -214,37 +215,15 @@ def lab_deep_kernel(
             _out(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, part_ptr, row_a, row_b, t, M, N, pid_k,
                  PARTIAL, X_DT)
         if PARTIAL:
-            tl.inline_asm_elementwise(FENCE, "=r,r", [i], dtype=tl.uint32, is_pure=False, pack=1)
-            tl.debug_barrier()
-            done = tl.atomic_add(lock_ptr + rblk, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:
-                tl.inline_asm_elementwise(FENCE, "=r,r", [i], dtype=tl.uint32, is_pure=False, pack=1)
-                _sum(0, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT)
-                if NTILE == 2:
-                    _sum(8, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT)
-                tl.atomic_xchg(lock_ptr + rblk, 0, sem="relaxed", scope="gpu")
+            last_program_sums(i, lock_ptr, rblk, SPLIT, out_ptr, part_ptr, row_a, row_b, t, M, N, X_DT, NTILE)
             tl.debug_barrier()  # the next tile's partial stores wait for this tile's readers
 
 
 # --- host side ------------------------------------------------------------------------------------------------
 
 def plan(n: int, k: int, warps: int, slots: int, fill_steps: int = 3, max_split: int = 32) -> dict:
-    """Persistent programs (at most `slots`) over tiles of (row block, K segment): the split with the least
-    rounds x (segment steps + fill_steps, a tile's pipeline fill) + 1 for the partial pass; grid = min(tiles,
-    slots)."""
-    steps = (k // 2) // 128
-    row_blocks = triton.cdiv(n, 16 * warps)
-    best = None
-    for s in range(1, min(steps, max_split) + 1):
-        seg = triton.cdiv(steps, s)
-        split = triton.cdiv(steps, seg)
-        tiles = row_blocks * split
-        cost = triton.cdiv(tiles, slots) * (seg + fill_steps) + (1 if split > 1 else 0)
-        if best is None or cost < best[0]:
-            best = (cost, split, seg, tiles)
-    _, split, seg, tiles = best
-    return {"split": split, "seg": seg * 128, "tiles": tiles, "row_blocks": row_blocks, "slots": slots,
-            "grid": min(tiles, slots), "rounds": triton.cdiv(tiles, slots)}
+    """stream.plan with this skeleton's pipeline fill (3 steps a tile)."""
+    return stream_plan(n, k, warps, slots, fill_steps, max_split)
 
 
 # name -> (decode mode, table copies, warps per program)
@@ -254,14 +233,6 @@ CANDIDATES = {
     "d_pair16": ("pair", 16, 4),
     "d_pair16_w8": ("pair", 16, 8),
 }
-_PLANS: dict = {}
-_BUFFERS: dict = {}
-
-
-def _buffer(key, make):
-    if key not in _BUFFERS:
-        _BUFFERS[key] = make()
-    return _BUFFERS[key]
 
 
 def linear(x, packed, qs, candidate: str):
@@ -279,9 +250,9 @@ def linear(x, packed, qs, candidate: str):
     def launch(p):
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         split = p["split"]
-        part = _buffer(("part", split, m, n, x.device), lambda: torch.empty((split, m, n), dtype=torch.float32,
+        part = buffer(("part", split, m, n, x.device), lambda: torch.empty((split, m, n), dtype=torch.float32,
                                                                            device=x.device))
-        lock = _buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
+        lock = buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
         compiled = lab_deep_kernel[(p["grid"],)](
             x, packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part, lock,
             m, n, k // 2, split, p["seg"], p["tiles"], 1,
@@ -289,7 +260,7 @@ def linear(x, packed, qs, candidate: str):
             THREADS=32 * warps, FTZ=True, PARTIAL=split > 1, num_warps=warps)
         return out, compiled
 
-    p = _PLANS.get(key)
+    p = PLANS.get(key)
     if p is None:
         rows, kb = triton.cdiv(n, 16 * warps), k // 2
         seg = max(128, (kb // 2) // 128 * 128)  # two segments where the row has two steps: the split build
@@ -300,9 +271,5 @@ def linear(x, packed, qs, candidate: str):
         per_sm = occupancy(compiled.n_regs, shared + 1024, warps)
         p = plan(n, k, warps, sms * per_sm)
         p.update(registers=compiled.n_regs, per_sm=per_sm, shared=shared)
-        _PLANS[key] = p
+        PLANS[key] = p
     return launch(p)[0]
-
-
-def plan_of(candidate: str, x, qs) -> dict | None:
-    return _PLANS.get((candidate, qs.shape[0], x.shape[1], x.shape[0], x.dtype, x.device))

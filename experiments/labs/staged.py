@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from . import kernels as K
-from .stream import FENCE, _amax, _out, _sum, occupancy
+from .stream import PLANS, _amax, _out, buffer, last_program_sums, occupancy, plan_of  # noqa: F401 (plan_of)
+from .stream import plan as stream_plan
 
 STEP = tl.constexpr(128)
 CHUNKS = 5  # per thread and stage: 4 x 16 bytes of words (a0-3, a4-7, b0-3, b4-7), then 8 bytes of absmax
@@ -231,35 +232,14 @@ def lab_staged_kernel(
         _out(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, part_ptr, row_a, row_b, t, M, N, pid_k, PARTIAL,
              X_DT)
     if PARTIAL:
-        tl.inline_asm_elementwise(FENCE, "=r,r", [i], dtype=tl.uint32, is_pure=False, pack=1)
-        tl.debug_barrier()
-        done = tl.atomic_add(lock_ptr + rblk, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:
-            tl.inline_asm_elementwise(FENCE, "=r,r", [i], dtype=tl.uint32, is_pure=False, pack=1)
-            _sum(0, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT)
-            if NTILE == 2:
-                _sum(8, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT)
-            tl.atomic_xchg(lock_ptr + rblk, 0, sem="relaxed", scope="gpu")
+        last_program_sums(i, lock_ptr, rblk, SPLIT, out_ptr, part_ptr, row_a, row_b, t, M, N, X_DT, NTILE)
 
 
 # --- host side ------------------------------------------------------------------------------------------------
 
-def plan(n: int, k: int, warps: int, slots: int, latency_steps: int = 4, max_split: int = 32) -> dict:
-    """The split whose tiles make the fewest, fullest waves of `slots` programs: cost = waves x (segment steps +
-    latency_steps, a tile's pipeline fill) + 1 for the partial pass."""
-    steps = (k // 2) // 128
-    row_blocks = triton.cdiv(n, 16 * warps)
-    best = None
-    for s in range(1, min(steps, max_split) + 1):
-        seg = triton.cdiv(steps, s)
-        split = triton.cdiv(steps, seg)
-        tiles = row_blocks * split
-        cost = triton.cdiv(tiles, slots) * (seg + latency_steps) + (1 if split > 1 else 0)
-        if best is None or cost < best[0]:
-            best = (cost, split, seg, tiles)
-    _, split, seg, tiles = best
-    return {"split": split, "seg": seg * 128, "tiles": tiles, "row_blocks": row_blocks, "slots": slots,
-            "waves": tiles / slots}
+def plan(n: int, k: int, warps: int, slots: int, fill_steps: int = 4, max_split: int = 32) -> dict:
+    """stream.plan with this skeleton's pipeline fill (4 steps a tile)."""
+    return stream_plan(n, k, warps, slots, fill_steps, max_split)
 
 
 # name -> (decode mode, table copies, warps per program, stages)
@@ -274,14 +254,6 @@ CANDIDATES = {
     "c_pair8_3w2": ("pair", 8, 2, 3),
     "c_pair8_4": ("pair", 8, 4, 3),
 }
-_PLANS: dict = {}
-_BUFFERS: dict = {}
-
-
-def _buffer(key, make):
-    if key not in _BUFFERS:
-        _BUFFERS[key] = make()
-    return _BUFFERS[key]
 
 
 def linear(x, packed, qs, candidate: str):
@@ -299,9 +271,9 @@ def linear(x, packed, qs, candidate: str):
     def launch(split, seg, partial):
         grid = triton.cdiv(n, 16 * warps) * split
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        part = _buffer(("part", split, m, n, x.device), lambda: torch.empty((split, m, n), dtype=torch.float32,
+        part = buffer(("part", split, m, n, x.device), lambda: torch.empty((split, m, n), dtype=torch.float32,
                                                                            device=x.device))
-        lock = _buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
+        lock = buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
         compiled = lab_staged_kernel[(grid,)](
             x, packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part, lock,
             m, n, k // 2, split, seg, 1,
@@ -309,7 +281,7 @@ def linear(x, packed, qs, candidate: str):
             THREADS=32 * warps, STAGES=stages, FTZ=True, PARTIAL=partial, num_warps=warps)
         return out, compiled
 
-    p = _PLANS.get(key)
+    p = PLANS.get(key)
     if p is None:
         _, compiled = launch(1, k // 2, True)  # compiles the split build (one segment: its own last program)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -317,9 +289,5 @@ def linear(x, packed, qs, candidate: str):
         per_sm = occupancy(compiled.n_regs, shared + 1024, warps)  # + the driver's 1 KiB a block
         p = plan(n, k, warps, sms * per_sm)
         p.update(registers=compiled.n_regs, per_sm=per_sm, shared=shared)
-        _PLANS[key] = p
+        PLANS[key] = p
     return launch(p["split"], p["seg"], p["split"] > 1)[0]
-
-
-def plan_of(candidate: str, x, qs) -> dict | None:
-    return _PLANS.get((candidate, qs.shape[0], x.shape[1], x.shape[0], x.dtype, x.device))

@@ -151,6 +151,23 @@ def _sum(m0, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT: tl.constexpr
     _sum1(out_ptr, part_ptr, row_b, m + 1, M, N, SPLIT, X_DT)
 
 
+@triton.jit
+def last_program_sums(i, lock_ptr, rblk, SPLIT, out_ptr, part_ptr, row_a, row_b, t, M, N, X_DT: tl.constexpr,
+                      NTILE: tl.constexpr):
+    """After this program's partial sums are stored: a fence and a barrier, one acq_rel atomic on the row block's
+    counter, and the program that arrives last adds the SPLIT partials in split order, stores the rounded output
+    and resets the counter."""
+    tl.inline_asm_elementwise(FENCE, "=r,r", [i], dtype=tl.uint32, is_pure=False, pack=1)
+    tl.debug_barrier()
+    done = tl.atomic_add(lock_ptr + rblk, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        tl.inline_asm_elementwise(FENCE, "=r,r", [i], dtype=tl.uint32, is_pure=False, pack=1)
+        _sum(0, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT)
+        if NTILE == 2:
+            _sum(8, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT)
+        tl.atomic_xchg(lock_ptr + rblk, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["M", "N", "KB", "SPLIT", "SEG", "ONE"])
 def lab_gemv2_kernel(
     x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, out_ptr, part_ptr, lock_ptr,
@@ -269,15 +286,7 @@ def lab_gemv2_kernel(
         _out(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, part_ptr, row_a, row_b, t, M, N, pid_k, PARTIAL,
              X_DT)
     if PARTIAL:
-        tl.inline_asm_elementwise(FENCE, "=r,r", [i], dtype=tl.uint32, is_pure=False, pack=1)
-        tl.debug_barrier()
-        done = tl.atomic_add(lock_ptr + rblk, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:
-            tl.inline_asm_elementwise(FENCE, "=r,r", [i], dtype=tl.uint32, is_pure=False, pack=1)
-            _sum(0, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT)
-            if NTILE == 2:
-                _sum(8, out_ptr, part_ptr, row_a, row_b, t, M, N, SPLIT, X_DT)
-            tl.atomic_xchg(lock_ptr + rblk, 0, sem="relaxed", scope="gpu")
+        last_program_sums(i, lock_ptr, rblk, SPLIT, out_ptr, part_ptr, row_a, row_b, t, M, N, X_DT, NTILE)
 
 
 # --- host side ------------------------------------------------------------------------------------------------
@@ -291,9 +300,10 @@ def occupancy(n_regs: int, shared: int, warps: int) -> int:
     return max(1, min(32, 64 // warps, by_regs, by_shared))
 
 
-def plan(n: int, k: int, warps: int, slots: int, max_split: int = 32) -> dict:
-    """The split (K segments per row block) that makes the tiles closest to whole waves of `slots` programs:
-    the smallest rounds x segment length, a partial pass counted as one step."""
+def plan(n: int, k: int, warps: int, slots: int, fill_steps: int = 0, max_split: int = 32) -> dict:
+    """The split (K segments per row block of 16 * warps rows) whose tiles make the fewest, fullest waves of `slots`
+    programs: the least rounds x (segment steps + fill_steps, a tile's pipeline fill), plus 1 for the partial pass;
+    grid = min(tiles, slots) (the persistent skeletons loop over the rest)."""
     kb = k // 2
     steps = kb // 128
     row_blocks = triton.cdiv(n, 16 * warps)
@@ -302,12 +312,12 @@ def plan(n: int, k: int, warps: int, slots: int, max_split: int = 32) -> dict:
         seg = triton.cdiv(steps, s)
         split = triton.cdiv(steps, seg)
         tiles = row_blocks * split
-        cost = triton.cdiv(tiles, slots) * seg + (1 if split > 1 else 0)
+        cost = triton.cdiv(tiles, slots) * (seg + fill_steps) + (1 if split > 1 else 0)
         if best is None or cost < best[0]:
             best = (cost, split, seg, tiles)
     _, split, seg, tiles = best
     return {"split": split, "seg": seg * 128, "tiles": tiles, "row_blocks": row_blocks, "slots": slots,
-            "waves": tiles / slots}
+            "grid": min(tiles, slots), "rounds": triton.cdiv(tiles, slots), "waves": tiles / slots}
 
 
 # name -> (decode mode, table copies, prmt words, warps per program, x prefetched)
@@ -320,11 +330,12 @@ CANDIDATES = {
     "s_pair16_nx": ("pair", 16, 0, 4, False),
     "s_prmt_w2": ("prmt", 1, 0, 2, True),
 }
-_PLANS: dict = {}
+PLANS: dict = {}
 _BUFFERS: dict = {}
 
 
-def _buffer(key, make):
+def buffer(key, make):
+    """A scratch tensor kept per key (partial sums, the counters: zeros that the kernels reset)."""
     if key not in _BUFFERS:
         _BUFFERS[key] = make()
     return _BUFFERS[key]
@@ -347,9 +358,9 @@ def linear(x, packed, qs, candidate: str, p: dict | None = None):
     def launch(split, seg, partial):
         grid = triton.cdiv(n, 16 * warps) * split
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        part = _buffer(("part", split, m, n, x.device), lambda: torch.empty((split, m, n), dtype=torch.float32,
+        part = buffer(("part", split, m, n, x.device), lambda: torch.empty((split, m, n), dtype=torch.float32,
                                                                            device=x.device))
-        lock = _buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
+        lock = buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
         compiled = lab_gemv2_kernel[(grid,)](
             x, packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part, lock,
             m, n, k // 2, split, seg, 1,
@@ -358,17 +369,17 @@ def linear(x, packed, qs, candidate: str, p: dict | None = None):
         return out, compiled
 
     if p is None:
-        p = _PLANS.get(key)
+        p = PLANS.get(key)
     if p is None:
         _, compiled = launch(1, k // 2, True)  # compiles the split build (one segment: its own last program)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         per_sm = occupancy(compiled.n_regs, compiled.metadata.shared, warps)
         p = plan(n, k, warps, sms * per_sm)
         p.update(registers=compiled.n_regs, per_sm=per_sm, shared=compiled.metadata.shared)
-        _PLANS[key] = p
+        PLANS[key] = p
     return launch(p["split"], p["seg"], p["split"] > 1)[0]
 
 
 def plan_of(candidate: str, x, qs) -> dict | None:
-    """The plan `linear` used for this candidate, x and weight (after its first call)."""
-    return _PLANS.get((candidate, qs.shape[0], x.shape[1], x.shape[0], x.dtype, x.device))
+    """The plan a skeleton's `linear` used for this candidate, x and weight (after its first call)."""
+    return PLANS.get((candidate, qs.shape[0], x.shape[1], x.shape[0], x.dtype, x.device))

@@ -8,7 +8,7 @@ import pytest
 from experiments.labs import deep, staged, stream
 
 
-@pytest.mark.parametrize("plan", [stream.plan, staged.plan, deep.plan])
+@pytest.mark.parametrize("plan", [stream.plan, staged.plan, deep.plan])  # fill steps 0, 4, 3
 @pytest.mark.parametrize("n, k, warps, slots", [(14336, 4096, 4, 528), (4096, 14336, 2, 924), (1024, 512, 4, 660),
                                                 (129, 4352, 4, 132)])
 def test_plan_covers_every_step_once(plan, n, k, warps, slots):
