@@ -3,6 +3,12 @@
     python -m experiments fsdp-qlora                                   # every GPU of the machine (2 or more)
     python -m experiments fsdp-qlora --nproc 2 --steps 5 --out results/linear/fsdp_qlora_h200x2.json
     python -m experiments fsdp-qlora --cpu --nproc 2                   # gloo on the CPU, a tiny model (debugging)
+    python -m experiments fsdp-qlora --nproc 2 --steps 60 --warmup 10 --interleave --layers 4 --hidden 4096 \
+        --intermediate 14336 --heads 32 --kv-heads 8                   # Llama-3-8B's layers, runs interleaved
+
+Runs: bitsandbytes alone, nf4 patched, bitsandbytes again (drift). By default one after another; --interleave builds
+the three models first and interleaves their steps (step i of each in turn, the order rotated by one each step), so
+that drift of the host, clocks or memory reaches each run alike; each run still trains its own model.
 
 Needs transformers, peft and bitsandbytes (exit code 2 without them), and two or more CUDA GPUs unless --cpu.
 Nothing comes from the hub. The command spawns one worker process per GPU (torch.multiprocessing, MASTER_ADDR
@@ -271,13 +277,11 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def one_run(mode: str, args, rank: int, device) -> dict:
-    """Build, shard and train one model on this rank; returns this rank's record (the steps, routes, digests)."""
+def build_run(mode: str, args, rank: int, device) -> dict:
+    """Build, shard and ready one model of `mode` on this rank: its state for `run_step` and `finish_run`."""
     import torch
-    import torch.distributed as dist
 
     import nf4
-    from nf4.integrations import bitsandbytes as nf4_bnb
 
     dims = {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_attention_heads": args.heads,
             "num_key_value_heads": args.kv_heads, "max_position_embeddings": max(4096, args.seq)}
@@ -297,9 +301,19 @@ def one_run(mode: str, args, rank: int, device) -> dict:
         unsharded_loss_bits = qlora.loss_bits(model(input_ids=ids, labels=ids).loss)
     model, sharding = shard(model, args.fsdp, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr)
-    timer = qlora._Timer(str(device))
-    barrier = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    return {"model": model, "optimizer": torch.optim.AdamW(params, lr=args.lr), "ids": ids, "patch": patch,
+            "timer": qlora._Timer(str(device)), "rank": rank, "params": len(params), "info": info,
+            "weights_digest": weights_digest, "unsharded_loss_bits": unsharded_loss_bits, "sharding": sharding,
+            "loss_bits": [], "step_ms": [], "routed": {}}
+
+
+def run_step(state: dict, device) -> None:
+    """One timed training step of a built run (after a barrier of all ranks), its loss, time and nf4 routes noted."""
+    import torch.distributed as dist
+
+    from nf4.integrations import bitsandbytes as nf4_bnb
+
+    model, optimizer, ids = state["model"], state["optimizer"], state["ids"]
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -308,27 +322,70 @@ def one_run(mode: str, args, rank: int, device) -> dict:
         optimizer.step()
         return loss
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     before = nf4_bnb.routed_counts()
-    loss_bits, step_ms = [], []
-    with patch():
-        for _ in range(args.steps):
-            dist.barrier(**barrier)
-            ms, loss = timer(step)
-            loss_bits.append(qlora.loss_bits(loss))
-            step_ms.append(ms)
-    record = {"rank": rank, "loss_bits": loss_bits, "step_ms": step_ms,
-              "loss": [float(torch.tensor(b, dtype=torch.int32).view(torch.float32)) for b in loss_bits],
-              "routed": qlora.counts_delta(before, nf4_bnb.routed_counts()),
+    with state["patch"]():
+        dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
+        ms, loss = state["timer"](step)
+    state["loss_bits"].append(qlora.loss_bits(loss))
+    state["step_ms"].append(ms)
+    for key, n in qlora.counts_delta(before, nf4_bnb.routed_counts()).items():
+        state["routed"][key] = state["routed"].get(key, 0) + n
+
+
+def finish_run(state: dict, device) -> dict:
+    """This rank's record of a run (the steps, routes, digests); the model and optimizer are dropped."""
+    import torch
+
+    model = state.pop("model")
+    state.pop("optimizer")
+    record = {"rank": state["rank"], "loss_bits": state["loss_bits"], "step_ms": state["step_ms"],
+              "loss": [float(torch.tensor(b, dtype=torch.int32).view(torch.float32)) for b in state["loss_bits"]],
+              "routed": state["routed"],
               "lora_digest": qlora.grad_digest((n, _local(p.detach())) for n, p in model.named_parameters()
                                                if p.requires_grad),
-              "weights_digest": weights_digest, "unsharded_loss_bits": unsharded_loss_bits, "sharding": sharding,
-              "trainable_params": len(params), **info}
+              "weights_digest": state["weights_digest"], "unsharded_loss_bits": state["unsharded_loss_bits"],
+              "sharding": state["sharding"], "trainable_params": state["params"], **state["info"]}
     if device.type == "cuda":
         record["max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
         record["device_name"] = torch.cuda.get_device_name(device)
-    return record  # the model and optimizer go with this frame; the caller collects them
+    return record
+
+
+def one_run(mode: str, args, rank: int, device) -> dict:
+    """Build, shard and train one model on this rank; returns this rank's record (the steps, routes, digests)."""
+    import torch
+
+    state = build_run(mode, args, rank, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.steps):
+        run_step(state, device)
+    return finish_run(state, device)
+
+
+def interleaved_runs(args, rank: int, device) -> dict:
+    """Every run's model built first, then their steps interleaved: step i of each run in turn, the order rotated by
+    one each step (no run always first after a barrier), so that drift of the host, clocks or memory reaches every
+    run alike. Each run still trains its own model, so its losses are its own. Returns {mode: this rank's record}."""
+    states, records = {}, {}
+    for mode in RUNS:
+        try:
+            states[mode] = build_run(mode, args, rank, device)
+        except Exception as exc:  # one failed run must not lose the others
+            records[mode] = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"[:800]}
+    order = [mode for mode in RUNS if mode in states]
+    for i in range(args.steps):
+        for mode in order[i % len(order):] + order[:i % len(order)] if order else []:
+            if mode in records:
+                continue
+            try:
+                run_step(states[mode], device)
+            except Exception as exc:
+                records[mode] = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"[:800]}
+    for mode in order:
+        if mode not in records:
+            records[mode] = finish_run(states[mode], device)
+    return records
 
 
 def _worker(rank: int, world: int, args, port: int, result_path: str) -> None:
@@ -353,14 +410,18 @@ def _worker(rank: int, world: int, args, port: int, result_path: str) -> None:
                             timeout=datetime.timedelta(seconds=args.collective_timeout))
     try:
         results = {"backend": backend, "storage_check": storage_check(str(device)), "runs": {}}
+        interleaved = interleaved_runs(args, rank, device) if args.interleave else {}
         for mode in RUNS:
-            try:
-                record = one_run(mode, args, rank, device)
-            except Exception as exc:  # one failed run must not lose the others; every rank reports its own
-                record = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"[:800]}
-            gc.collect()  # the run's model, before the next one is built
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            if args.interleave:
+                record = interleaved.get(mode, {"rank": rank, "error": "not run"})
+            else:
+                try:
+                    record = one_run(mode, args, rank, device)
+                except Exception as exc:  # one failed run must not lose the others; every rank reports its own
+                    record = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"[:800]}
+                gc.collect()  # the run's model, before the next one is built
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             gathered = [None] * world
             dist.all_gather_object(gathered, record)
             results["runs"][mode] = gathered
@@ -426,6 +487,9 @@ def parse_args(argv=None):
                     help="LoRA weights' dtype (default bfloat16; fsdp1 needs bfloat16)")
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every run's model first, then interleave their steps (rotating order); else one run "
+                         "after another")
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG")
     ap.add_argument("--port", type=int, default=0, help="MASTER_PORT (default: a free one)")
@@ -488,7 +552,7 @@ def main(argv=None) -> int:
           f"bnb {env['bitsandbytes']}  commit {env['commit'][:12]}  fsdp {args.fsdp}", flush=True)
     config = {k: getattr(args, k) for k in ("fsdp", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab",
                                             "batch", "seq", "steps", "warmup", "lr", "lora_dtype", "attn", "seed",
-                                            "deterministic", "cpu")}
+                                            "deterministic", "cpu", "interleave")}
     config.update(nproc=nproc, runs=list(RUNS), quant_storage="bfloat16", quantization=(
         "bitsandbytes Linear4bit nf4, double quant (compress_statistics), blocksize 64, compute bf16, packed weight "
         "as quant_storage bfloat16; embeddings, norms and lm_head bf16 (frozen)"),

@@ -52,6 +52,30 @@ def test_cpu_two_processes_nf4_matches_bitsandbytes(tmp_path):
     assert "nf4 = bnb" in proc.stdout and "losses_identical | yes" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(bool(NEEDS), reason=f"needs {', '.join(NEEDS)}")
+def test_cpu_interleaved_runs_train_their_own_models(tmp_path):
+    """--interleave: every run's model built first and their steps interleaved; each run still trains its own model,
+    so the verdicts hold as in the sequential schedule, and every run's step count and routes are its own."""
+    out = tmp_path / "fsdp_qlora.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "experiments", "fsdp-qlora", "--cpu", "--nproc", "2", "--steps", "3", "--layers", "1",
+           "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "256",
+           "--batch", "1", "--seq", "16", "--interleave", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-4000:], proc.stderr[-4000:])
+    payload = json.loads(out.read_text())
+    v = payload["verdicts"]
+    assert payload["config"]["interleave"] is True and payload["failures"] == []
+    assert v["losses_identical"] is True and v["lora_identical"] is True and v["bnb_deterministic"] is True, v
+    for name, run in payload["runs"].items():
+        for r in run["ranks"]:
+            assert len(r["loss_bits"]) == len(r["step_ms"]) == 3 and len(set(r["loss_bits"])) == 3
+            routed_nf4 = sum(n for k, n in r["routed"].items() if k.endswith("/nf4"))
+            assert (routed_nf4 > 0) == (name == "nf4"), (name, r["routed"])
+
+
 def _run(losses, lora="d", unsharded=None, routed=None):
     ranks = [{"rank": i, "loss_bits": list(bits), "lora_digest": f"{lora}{i}", "weights_digest": "w",
               "unsharded_loss_bits": bits[0] if unsharded is None else unsharded,
