@@ -34,6 +34,7 @@ def builds():
     return {r["build"]: r for r in sc.count_builds(["s_none", "s_prmt", "c_none3", "c_prmt3", "d_none", "d_pair16"])}
 
 
+@pytest.mark.slow  # six offline sm_90 builds (make test-long)
 def test_skeletons_build_for_sm90(builds):
     """No local memory; one tensor-core product per 8 weights of a lane; the staged skeleton's loop issues its 6
     cp.async copies (LDGSTS) and reads its slot with 4 LDS.128 + 1 LDS.64 per step (16 words a lane: 128 weights)."""
