@@ -169,6 +169,20 @@ def fill_table(code_ptr, MODE: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.c
 
 
 @triton.jit
+def pair_setup(code_ptr, lane, one, MODE: tl.constexpr, COPIES: tl.constexpr, SHIFT: tl.constexpr,
+               THREADS: tl.constexpr):
+    """MODE 1: the pair table filled and the lane's base in it (its copy), with the run-time multipliers of its IMAD
+    addressing (`pair_constants`); other modes: placeholders. Returns (base, m0..m5)."""
+    base = one * 0
+    m0, m1, m2, m3, m4, m5 = one, one, one, one, one, one
+    if MODE == 1:
+        base = fill_table(code_ptr, MODE, COPIES, THREADS) + ((lane % COPIES) * 8).to(tl.uint32)
+        m0 = base << (16 - SHIFT)
+        m1, m2, m3, m4, m5 = one << 16, one << 8, one, one << (16 + SHIFT), one << (8 + SHIFT)
+    return base, m0, m1, m2, m3, m4, m5
+
+
+@triton.jit
 def word_pairs(w, base, amax, m0, m1, m2, m3, m4, m5, m6, m7, one, MODE: tl.constexpr, X_DT: tl.constexpr):
     """The 4 pairs of 16-bit weights of word w (shared-memory modes 1-3); pair j: element 2j low, 2j + 1 high."""
     if MODE == 1:

@@ -186,12 +186,8 @@ def lab_gemv2_kernel(
     g = lane // 4
     t = lane % 4
     one = (i * 0 + ONE).to(tl.uint32)
-    base = one * 0
-    m0, m1, m2, m3, m4, m5, m6, m7 = one, one, one, one, one, one, one, one
-    if MODE == 1:
-        base = K.fill_table(code_ptr, MODE, COPIES, THREADS) + ((lane % COPIES) * 8).to(tl.uint32)
-        m0 = base << (16 - SHIFT)
-        m1, m2, m3, m4, m5 = one << 16, one << 8, one, one << (16 + SHIFT), one << (8 + SHIFT)
+    base, m0, m1, m2, m3, m4, m5 = K.pair_setup(code_ptr, lane, one, MODE, COPIES, SHIFT, THREADS)
+    m6, m7 = one, one
     pid = tl.program_id(0)
     rblk = pid // SPLIT
     pid_k = pid % SPLIT
