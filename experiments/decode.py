@@ -382,13 +382,12 @@ def run_batch(model, *, key: str, layers: int, mode: str, compiled: bool, batch:
     for p in prefills:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + batch * 10_007 + p)
         prompts[p] = torch.randint(0, vocab, (batch, p), generator=gen).to(device)
-    base = {"model": key, "layers": layers, "batch": batch, "mode": mode, "compiled": compiled,
-            "fullgraph": None, "reps": reps}
+    base = {"model": key, "layers": layers, "batch": batch, "mode": mode, "compiled": compiled, "reps": reps}
     with torch.no_grad():
         run.reset()
         run.prefill(run.forward, prompts[prefills[0]][:, :1])  # eager: the static cache's lazy init happens here
         prefill_fn = step_fn = run.forward
-        info = {"prefill": {}, "decode": {}}
+        info = {"prefill": {"fullgraph": None}, "decode": {"fullgraph": None}}
         if compiled:
             def call_prefill(fn):
                 run.reset()
