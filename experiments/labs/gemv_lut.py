@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import triton
 
-from . import deep, staged, stream
+from . import bulk, deep, staged, stream
 from . import kernels as K
 
 # name -> (mode, copies, prmt_words, num_warps, programs per SM)
@@ -160,7 +160,7 @@ def run_weight(n: int, k: int, ms, candidates, dtype, copy_gbs: float, log=print
         rows.append({**base, "provider": "dense F.linear [N, K/4]", "operand_mismatches": None,
                      "graph_us": timed(lambda i, xd=xd: torch.nn.functional.linear(xd, dense[i % len(dense)]))})
         for cand in candidates:
-            lab = next((mod for mod in (stream, staged, deep) if cand in mod.CANDIDATES), None)
+            lab = next((mod for mod in (stream, staged, deep, bulk) if cand in mod.CANDIDATES), None)
             if lab is not None:
                 row = {**base, "provider": cand}
                 try:
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
                     choices=sorted(CANDIDATES) + sorted(stream.CANDIDATES) + sorted(staged.CANDIDATES)
-                    + sorted(deep.CANDIDATES))
+                    + sorted(deep.CANDIDATES) + sorted(bulk.CANDIDATES))
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", default="build/labs/gemv_lut.json")
     ap.add_argument("--no-sass", action="store_true", help="skip the offline SASS counts")
