@@ -164,6 +164,8 @@ def run_weight(n: int, k: int, ms, candidates, dtype, copy_gbs: float, log=print
             if lab is not None:
                 row = {**base, "provider": cand}
                 try:
+                    for packed, qs in sets if hasattr(lab, "prepare") else ():
+                        lab.prepare(packed, qs)  # host-side set-up a CUDA graph cannot capture
                     y = lab.linear(x, sets[0][0], sets[0][1], cand)
                     torch.cuda.synchronize()
                     row["plan"] = lab.plan_of(cand, x, sets[0][1])

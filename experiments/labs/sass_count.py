@@ -121,18 +121,21 @@ def instructions(sass: str) -> tuple[list[tuple[str, str]], dict[str, int]]:
     return insns, labels
 
 
+SPIN_OPS = ("SYNCS", "UBLKCP", "UTMALDG")
+
+
 def loops(sass: str) -> list[list[str]]:
     """Opcodes of every innermost loop: a block from a label to a branch back to it, holding no other such branch.
     Short loops (at most 12 instructions) that spin on an mbarrier (SYNCS) or walk the lanes of a bulk copy issued
-    with per-lane operands (UBLKCP under BRA.U.ANY: one copy a trip) are not loops here: they count in their loop
-    once, so such a loop's static count misses the extra trips."""
+    with per-lane operands (UBLKCP or UTMALDG under BRA.U.ANY: one copy a trip) are not loops here: they count in
+    their loop once, so such a loop's static count misses the extra trips."""
     insns, labels = instructions(sass)
     found = []
     for end, (op, rest) in enumerate(insns):
         target = re.search(r"`\((\.L_x_\d+)\)", rest)
         if op.split(".")[0] == "BRA" and target and target.group(1) in labels:
             start = labels[target.group(1)]
-            spin = end - start < 12 and any(o.startswith(("SYNCS", "UBLKCP")) for o, _ in insns[start:end + 1])
+            spin = end - start < 12 and any(o.startswith(SPIN_OPS) for o, _ in insns[start:end + 1])
             if start < end and not spin:
                 found.append((start, end))
     inner = [(s, e) for s, e in found if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in found)]
@@ -356,9 +359,9 @@ def bulk_args(mode: str, shape: int, copies: int = 1, ntile: int = 1) -> dict:
     """Arguments of the bulk-copy skeleton (bulk.py) at M = 1, bf16, split 2, for SHAPES[shape]."""
     from .bulk import SHAPES
 
-    stages, warps, sps = SHAPES[shape]
+    stages, warps, sps, tensor = SHAPES[shape]
     args = skeleton_args(mode, copies=copies, warps=warps, stages=stages, ntile=ntile)
-    args.update(SHAPE=shape, SPS=sps)
+    args.update(SHAPE=shape, SPS=sps, TENSOR=tensor, tmap_ptr="*u8")
     return args
 
 
@@ -419,6 +422,10 @@ BUILDS = {
                "bulk-copy skeleton, prmt decode, 4 stages of 2 steps, 2 warps"),
     "b_pair8": (_bulk_kernel, lambda: bulk_args("pair", 1, copies=8), 2, ("HMMA", 8),
                 "bulk-copy skeleton, pair table (8 copies), 3 stages of 2 steps, 2 warps"),
+    "t_none8": (_bulk_kernel, lambda: bulk_args("none", 6), 2, ("HMMA", 8),
+                "bulk-copy skeleton with tensor copies, no decode, 8 stages of 1 step, 2 warps"),
+    "t_prmt8": (_bulk_kernel, lambda: bulk_args("prmt", 6), 2, ("HMMA", 8),
+                "bulk-copy skeleton with tensor copies, prmt decode, 8 stages of 1 step, 2 warps"),
 }
 DEFAULT_BUILDS = ("baseline", "prmt", "pair16", "pair8", "level_prmt", "level_imad", "pair16_p2", "pair16_p4",
                   "pair16_m16")
