@@ -221,56 +221,72 @@ def _step(wa8, wb8, j, amax_a, amax_b, base, xr0, xr1, one, m0, m1, m2, m3, m4, 
     """One 128-byte step: the lane's 8 words of rows a and b (wa8 / wb8: 16 words, read at shared addresses) against
     x's pairs at byte j of the row."""
     (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7) = _read(wa8, wb8, TENSOR)
-    ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = one, one, one, one, one, one, one, one
-    tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = one, one, one, one, one, one, one, one
-    if MODE == 0:
-        ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = K.product_table(amax_a, FTZ, X_DT)
-        tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = K.product_table(amax_b, FTZ, X_DT)
-    m6, m7 = one, one
-    xp0, xp1 = xr0 + j, xr1 + j
-    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
-        a0, b0, 0, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
-        tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-        c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
-        a1, b1, 1, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
-        tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-        c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
-        a2, b2, 2, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
-        tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-        c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
-        a3, b3, 3, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
-        tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-        c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
-        a4, b4, 4, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
-        tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-        c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
-        a5, b5, 5, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
-        tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-        c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
-        a6, b6, 6, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
-        tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-        c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-    (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
-        a7, b7, 7, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
-        tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-        c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+    if MODE == 5:  # the stream control: the words are read and folded, nothing else
+        f = a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ b0 ^ b1 ^ b2 ^ b3 ^ b4 ^ b5 ^ b6 ^ b7
+        c00 = c00 + f.to(tl.float32)
+    else:
+        ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = one, one, one, one, one, one, one, one
+        tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = one, one, one, one, one, one, one, one
+        if MODE == 0:
+            ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = K.product_table(amax_a, FTZ, X_DT)
+            tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = K.product_table(amax_b, FTZ, X_DT)
+        m6, m7 = one, one
+        xp0, xp1 = xr0 + j, xr1 + j
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            a0, b0, 0, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+            tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            a1, b1, 1, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+            tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            a2, b2, 2, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+            tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            a3, b3, 3, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+            tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            a4, b4, 4, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+            tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            a5, b5, 5, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+            tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            a6, b6, 6, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+            tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            a7, b7, 7, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
+            tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
     return c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17
 
 
 @triton.jit
-def _raw(absmax_ptr, absmax2_ptr, ba, bb, blk):
-    """The absmax bytes (as int32) of the lane's blocks at block offset blk of rows a and b, and their scales."""
+def _raw(absmax_ptr, absmax2_ptr, ba, bb, blk, MODE: tl.constexpr):
+    """The absmax bytes (as int32) of the lane's blocks at block offset blk of rows a and b, and their scales (MODE
+    5: none loaded)."""
+    if MODE == 5:
+        return blk * 0, blk * 0, (blk * 0).to(tl.float32), (blk * 0).to(tl.float32)
     qa = tl.load(absmax_ptr + ba + blk).to(tl.int32)
     qb = tl.load(absmax_ptr + bb + blk).to(tl.int32)
     sa = tl.load(absmax2_ptr + (ba + blk) // 256, eviction_policy="evict_last")
     sb = tl.load(absmax2_ptr + (bb + blk) // 256, eviction_policy="evict_last")
     return qa, qb, sa, sb
+
+
+@triton.jit
+def _amax5(q, s, code2_ptr, offset, FTZ: tl.constexpr, MODE: tl.constexpr):
+    if MODE == 5:
+        r = s
+    else:
+        r = _amax(q, s, code2_ptr, offset, FTZ)
+    return r
 
 
 @triton.jit(do_not_specialize=["M", "N", "KB", "SPLIT", "SEG", "ONE"])
@@ -342,10 +358,10 @@ def lab_bulk_kernel(
             keep |= _issue(lane32 + keep, go, wbar + s * 8, dst + s * STAGE_BYTES, src + first + s * SB, SPS)
     # the absmax bytes of stage 0 (blocks of step q: c // 32 + 4q + t)
     blk0 = first // 32 + t
-    qa0, qb0, sa0, sb0 = _raw(absmax_ptr, absmax2_ptr, ba, bb, blk0)
+    qa0, qb0, sa0, sb0 = _raw(absmax_ptr, absmax2_ptr, ba, bb, blk0, MODE)
     qa1, qb1, sa1, sb1 = qa0, qb0, sa0, sb0
     if SPS == 2:
-        qa1, qb1, sa1, sb1 = _raw(absmax_ptr, absmax2_ptr, ba, bb, blk0 + 4)
+        qa1, qb1, sa1, sb1 = _raw(absmax_ptr, absmax2_ptr, ba, bb, blk0 + 4, MODE)
     for it in range(0, nst):
         nxt = it + STAGES - 1
         slot_n = nxt % STAGES
@@ -359,22 +375,22 @@ def lab_bulk_kernel(
         c = first + it * SB
         # the next stage's absmax bytes, loaded while this one is decoded
         blk_n = (first + tl.minimum(it + 1, nst - 1) * SB) // 32 + t
-        pa0, pb0, psa0, psb0 = _raw(absmax_ptr, absmax2_ptr, ba, bb, blk_n)
+        pa0, pb0, psa0, psb0 = _raw(absmax_ptr, absmax2_ptr, ba, bb, blk_n, MODE)
         pa1, pb1, psa1, psb1 = pa0, pb0, psa0, psb0
         if SPS == 2:
-            pa1, pb1, psa1, psb1 = _raw(absmax_ptr, absmax2_ptr, ba, bb, blk_n + 4)
+            pa1, pb1, psa1, psb1 = _raw(absmax_ptr, absmax2_ptr, ba, bb, blk_n + 4, MODE)
         slot = it % STAGES
         keep |= _wait(wbar + slot * 8 + keep, ((it // STAGES) % 2).to(tl.uint32) + one * 0)
         sbase = (slot * STAGE_BYTES).to(tl.uint32) + keep
-        amax_a = _amax(qa0, sa0, code2_ptr, offset, FTZ)
-        amax_b = _amax(qb0, sb0, code2_ptr, offset, FTZ)
+        amax_a = _amax5(qa0, sa0, code2_ptr, offset, FTZ, MODE)
+        amax_b = _amax5(qb0, sb0, code2_ptr, offset, FTZ, MODE)
         (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _step(
             rd_a + sbase, rd_b + sbase, c + t * 32, amax_a, amax_b, base, xr0, xr1, one, m0, m1, m2, m3, m4, m5,
             c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, MODE, X_DT, NTILE, FTZ,
             TENSOR)
         if SPS == 2:
-            amax_a = _amax(qa1, sa1, code2_ptr, offset, FTZ)
-            amax_b = _amax(qb1, sb1, code2_ptr, offset, FTZ)
+            amax_a = _amax5(qa1, sa1, code2_ptr, offset, FTZ, MODE)
+            amax_b = _amax5(qb1, sb1, code2_ptr, offset, FTZ, MODE)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _step(
                 rd_a + sbase + QSTEP, rd_b + sbase + QSTEP, c + 128 + t * 32, amax_a, amax_b, base, xr0, xr1, one,
                 m0, m1, m2, m3, m4, m5, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16,
@@ -419,6 +435,11 @@ CANDIDATES = {
     "t_prmt8": ("prmt", 1, 6),
     "t_prmt10": ("prmt", 1, 7),
     "t_prmt5w4": ("prmt", 1, 8),
+    # the stream control (MODE 5): the bytes copied and read back from shared memory, no absmax, x or products
+    "t_stream8": ("stream", 1, 6),
+    "t_stream4x2": ("stream", 1, 9),
+    "t_stream5w4": ("stream", 1, 8),
+    "b_stream_s6": ("stream", 1, 3),
 }
 _TMAPS: dict = {}
 
@@ -486,7 +507,8 @@ def linear(x, packed, qs, candidate: str):
         compiled = lab_bulk_kernel[(grid,)](
             x, packed, tmap, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part,
             lock, m, n, k // 2, split, seg, 1,
-            MODE=K.MODES[mode], COPIES=copies, SHIFT=K.pair_shift(copies), X_DT=x_dt, NTILE=1 if m <= 8 else 2,
+            MODE=5 if mode == "stream" else K.MODES[mode], COPIES=copies, SHIFT=K.pair_shift(copies), X_DT=x_dt,
+            NTILE=1 if m <= 8 else 2,
             THREADS=32 * warps, SHAPE=shape, STAGES=stages, SPS=sps, TENSOR=tensor, FTZ=True, PARTIAL=partial,
             num_warps=warps)
         return out, compiled

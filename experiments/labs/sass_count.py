@@ -424,6 +424,8 @@ BUILDS = {
                 "bulk-copy skeleton, pair table (8 copies), 3 stages of 2 steps, 2 warps"),
     "t_none8": (_bulk_kernel, lambda: bulk_args("none", 6), 2, ("HMMA", 8),
                 "bulk-copy skeleton with tensor copies, no decode, 8 stages of 1 step, 2 warps"),
+    "t_stream8": (_bulk_kernel, lambda: {**bulk_args("none", 6), "MODE": 5}, 2, 1,
+                  "bulk-copy skeleton with tensor copies, the stream control (no absmax, x or products)"),
     "t_prmt8": (_bulk_kernel, lambda: bulk_args("prmt", 6), 2, ("HMMA", 8),
                 "bulk-copy skeleton with tensor copies, prmt decode, 8 stages of 1 step, 2 warps"),
 }
