@@ -221,9 +221,11 @@ def _step(wa8, wb8, j, amax_a, amax_b, base, xr0, xr1, one, m0, m1, m2, m3, m4, 
     """One 128-byte step: the lane's 8 words of rows a and b (wa8 / wb8: 16 words, read at shared addresses) against
     x's pairs at byte j of the row."""
     (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7) = _read(wa8, wb8, TENSOR)
-    if MODE == 5:  # the stream control: the words are read and folded, nothing else
+    if MODE == 5 or MODE == 6:  # the stream controls: the words read and folded (6: with the absmax chain)
         f = a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ b0 ^ b1 ^ b2 ^ b3 ^ b4 ^ b5 ^ b6 ^ b7
         c00 = c00 + f.to(tl.float32)
+        if MODE == 6:
+            c01 = c01 + amax_a + amax_b
     else:
         ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = one, one, one, one, one, one, one, one
         tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = one, one, one, one, one, one, one, one
@@ -295,12 +297,13 @@ def lab_bulk_kernel(
     M, N, KB, SPLIT, SEG, ONE,
     MODE: tl.constexpr, COPIES: tl.constexpr, SHIFT: tl.constexpr, X_DT: tl.constexpr, NTILE: tl.constexpr,
     THREADS: tl.constexpr, SHAPE: tl.constexpr, STAGES: tl.constexpr, SPS: tl.constexpr, TENSOR: tl.constexpr,
-    FTZ: tl.constexpr, PARTIAL: tl.constexpr,
+    FTZ: tl.constexpr, PARTIAL: tl.constexpr, NOX: tl.constexpr,
 ):
     """x @ W^T for M <= 16; program p: row block p // SPLIT (THREADS // 2 rows), K segment p % SPLIT (SEG bytes of
     a row, a multiple of 128 * SPS). Blocksize 64, nested absmax, KB = K / 2 a multiple of 128 * SPS.
     TENSOR: lane 0 copies the warp's 16 rows with the tensor map at tmap_ptr (boxes of 16 rows x 128 bytes, 128-byte
-    swizzle); else lanes 0-15 copy a row each (cp.async.bulk)."""
+    swizzle); else lanes 0-15 copy a row each (cp.async.bulk). NOX (a control): x's words of the first step stand in
+    for every step's (loop-invariant loads). MODE 5 / 6: the stream controls (bytes only / bytes and absmax)."""
     SB: tl.constexpr = 128 * SPS
     RS: tl.constexpr = 128 * SPS + 16
     STAGE_BYTES: tl.constexpr = 2048 * SPS if TENSOR else 16 * (128 * SPS + 16)
@@ -385,16 +388,16 @@ def lab_bulk_kernel(
         amax_a = _amax5(qa0, sa0, code2_ptr, offset, FTZ, MODE)
         amax_b = _amax5(qb0, sb0, code2_ptr, offset, FTZ, MODE)
         (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _step(
-            rd_a + sbase, rd_b + sbase, c + t * 32, amax_a, amax_b, base, xr0, xr1, one, m0, m1, m2, m3, m4, m5,
-            c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, MODE, X_DT, NTILE, FTZ,
-            TENSOR)
+            rd_a + sbase, rd_b + sbase, c * (1 - NOX) + t * 32, amax_a, amax_b, base, xr0, xr1, one,
+            m0, m1, m2, m3, m4, m5, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17,
+            MODE, X_DT, NTILE, FTZ, TENSOR)
         if SPS == 2:
             amax_a = _amax5(qa1, sa1, code2_ptr, offset, FTZ, MODE)
             amax_b = _amax5(qb1, sb1, code2_ptr, offset, FTZ, MODE)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _step(
-                rd_a + sbase + QSTEP, rd_b + sbase + QSTEP, c + 128 + t * 32, amax_a, amax_b, base, xr0, xr1, one,
-                m0, m1, m2, m3, m4, m5, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16,
-                c17, MODE, X_DT, NTILE, FTZ, TENSOR)
+                rd_a + sbase + QSTEP, rd_b + sbase + QSTEP, (c + 128) * (1 - NOX) + t * 32, amax_a, amax_b, base,
+                xr0, xr1, one, m0, m1, m2, m3, m4, m5, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13,
+                c14, c15, c16, c17, MODE, X_DT, NTILE, FTZ, TENSOR)
         qa0, qb0, sa0, sb0 = pa0, pb0, psa0, psb0
         qa1, qb1, sa1, sb1 = pa1, pb1, psa1, psb1
     _out(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, part_ptr, row_a, row_b, t, M, N, pid_k, PARTIAL, X_DT)
@@ -440,7 +443,12 @@ CANDIDATES = {
     "t_stream4x2": ("stream", 1, 9),
     "t_stream5w4": ("stream", 1, 8),
     "b_stream_s6": ("stream", 1, 3),
+    "t_absmax4x2": ("absmax", 1, 9),  # MODE 6: the stream control with the absmax chain
+    "t_none4x2_nox": ("none", 1, 9),  # NOX: x loads loop-invariant
+    "t_prmt4x2": ("prmt", 1, 9),
+    "t_prmt4x2_nox": ("prmt", 1, 9),
 }
+STREAM_MODES = {"stream": 5, "absmax": 6}
 _TMAPS: dict = {}
 
 
@@ -507,9 +515,10 @@ def linear(x, packed, qs, candidate: str):
         compiled = lab_bulk_kernel[(grid,)](
             x, packed, tmap, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part,
             lock, m, n, k // 2, split, seg, 1,
-            MODE=5 if mode == "stream" else K.MODES[mode], COPIES=copies, SHIFT=K.pair_shift(copies), X_DT=x_dt,
+            MODE=STREAM_MODES.get(mode, K.MODES.get(mode)), COPIES=copies, SHIFT=K.pair_shift(copies), X_DT=x_dt,
             NTILE=1 if m <= 8 else 2,
             THREADS=32 * warps, SHAPE=shape, STAGES=stages, SPS=sps, TENSOR=tensor, FTZ=True, PARTIAL=partial,
+            NOX=int(candidate.endswith("_nox")),
             num_warps=warps)
         return out, compiled
 

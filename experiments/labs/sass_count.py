@@ -361,7 +361,7 @@ def bulk_args(mode: str, shape: int, copies: int = 1, ntile: int = 1) -> dict:
 
     stages, warps, sps, tensor = SHAPES[shape]
     args = skeleton_args(mode, copies=copies, warps=warps, stages=stages, ntile=ntile)
-    args.update(SHAPE=shape, SPS=sps, TENSOR=tensor, tmap_ptr="*u8")
+    args.update(SHAPE=shape, SPS=sps, TENSOR=tensor, tmap_ptr="*u8", NOX=0)
     return args
 
 
