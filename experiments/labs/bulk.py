@@ -35,7 +35,8 @@ STEP = tl.constexpr(128)
 PAD = 16  # bytes after each row of a stage (bank spread), per-row copies only
 # (STAGES, warps, steps per stage, tensor copies) built here; index = the kernel's SHAPE argument
 SHAPES = ((4, 2, 2, False), (3, 2, 2, False), (4, 4, 1, False), (6, 2, 1, False), (8, 2, 1, False),
-          (3, 4, 1, False), (8, 2, 1, True), (10, 2, 1, True), (5, 4, 1, True), (4, 2, 2, True), (16, 1, 1, True))
+          (3, 4, 1, False), (8, 2, 1, True), (10, 2, 1, True), (5, 4, 1, True), (4, 2, 2, True), (16, 1, 1, True),
+          (6, 2, 1, True))
 
 
 def stage_bytes(sps: int, tensor: bool) -> int:
@@ -128,6 +129,7 @@ DECL_7 = tl.constexpr(declare_asm(*SHAPES[7]))
 DECL_8 = tl.constexpr(declare_asm(*SHAPES[8]))
 DECL_9 = tl.constexpr(declare_asm(*SHAPES[9]))
 DECL_10 = tl.constexpr(declare_asm(*SHAPES[10]))
+DECL_11 = tl.constexpr(declare_asm(*SHAPES[11]))
 
 
 @triton.jit
@@ -152,8 +154,10 @@ def _declare(i, SHAPE: tl.constexpr):
         r = tl.inline_asm_elementwise(DECL_8, "=r,=r,r", [i], dtype=(tl.uint32, tl.uint32), is_pure=False, pack=1)
     elif SHAPE == 9:
         r = tl.inline_asm_elementwise(DECL_9, "=r,=r,r", [i], dtype=(tl.uint32, tl.uint32), is_pure=False, pack=1)
-    else:
+    elif SHAPE == 10:
         r = tl.inline_asm_elementwise(DECL_10, "=r,=r,r", [i], dtype=(tl.uint32, tl.uint32), is_pure=False, pack=1)
+    else:
+        r = tl.inline_asm_elementwise(DECL_11, "=r,=r,r", [i], dtype=(tl.uint32, tl.uint32), is_pure=False, pack=1)
     return r
 
 
@@ -217,7 +221,8 @@ def _read(addr_a, addr_b, TENSOR: tl.constexpr):
 @triton.jit
 def _step(wa8, wb8, j, amax_a, amax_b, base, xr0, xr1, one, m0, m1, m2, m3, m4, m5,
           c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17,
-          MODE: tl.constexpr, X_DT: tl.constexpr, NTILE: tl.constexpr, FTZ: tl.constexpr, TENSOR: tl.constexpr):
+          MODE: tl.constexpr, X_DT: tl.constexpr, NTILE: tl.constexpr, FTZ: tl.constexpr, TENSOR: tl.constexpr,
+          xok0, xok1, XPRED: tl.constexpr):
     """One 128-byte step: the lane's 8 words of rows a and b (wa8 / wb8: 16 words, read at shared addresses) against
     x's pairs at byte j of the row."""
     (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7) = _read(wa8, wb8, TENSOR)
@@ -234,38 +239,38 @@ def _step(wa8, wb8, j, amax_a, amax_b, base, xr0, xr1, one, m0, m1, m2, m3, m4, 
             tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = K.product_table(amax_b, FTZ, X_DT)
         m6, m7 = one, one
         xp0, xp1 = xr0 + j, xr1 + j
-        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._wordx(
             a0, b0, 0, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
             tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE, xok0, xok1, XPRED)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._wordx(
             a1, b1, 1, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
             tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE, xok0, xok1, XPRED)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._wordx(
             a2, b2, 2, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
             tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE, xok0, xok1, XPRED)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._wordx(
             a3, b3, 3, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
             tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE, xok0, xok1, XPRED)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._wordx(
             a4, b4, 4, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
             tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE, xok0, xok1, XPRED)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._wordx(
             a5, b5, 5, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
             tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE, xok0, xok1, XPRED)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._wordx(
             a6, b6, 6, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
             tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
-        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._word(
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE, xok0, xok1, XPRED)
+        (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = K._wordx(
             a7, b7, 7, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
             tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE)
+            c11, c12, c13, c14, c15, c16, c17, MODE, 0, X_DT, NTILE, xok0, xok1, XPRED)
     return c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17
 
 
@@ -297,7 +302,7 @@ def lab_bulk_kernel(
     M, N, KB, SPLIT, SEG, ONE,
     MODE: tl.constexpr, COPIES: tl.constexpr, SHIFT: tl.constexpr, X_DT: tl.constexpr, NTILE: tl.constexpr,
     THREADS: tl.constexpr, SHAPE: tl.constexpr, STAGES: tl.constexpr, SPS: tl.constexpr, TENSOR: tl.constexpr,
-    FTZ: tl.constexpr, PARTIAL: tl.constexpr, NOX: tl.constexpr,
+    FTZ: tl.constexpr, PARTIAL: tl.constexpr, NOX: tl.constexpr, XPRED: tl.constexpr,
 ):
     """x @ W^T for M <= 16; program p: row block p // SPLIT (THREADS // 2 rows), K segment p % SPLIT (SEG bytes of
     a row, a multiple of 128 * SPS). Blocksize 64, nested absmax, KB = K / 2 a multiple of 128 * SPS.
@@ -347,6 +352,8 @@ def lab_bulk_kernel(
     nst = (end - first) // SB
     xr0 = xw_ptr + tl.minimum(g, M - 1) * KB
     xr1 = xw_ptr + tl.minimum(8 + g, M - 1) * KB
+    xok0 = (g < M).to(tl.uint32)
+    xok1 = (8 + g < M).to(tl.uint32)
     offset = tl.load(offset_ptr)
     zero = tl.zeros((THREADS,), dtype=tl.float32)
     (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = (
@@ -390,14 +397,14 @@ def lab_bulk_kernel(
         (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _step(
             rd_a + sbase, rd_b + sbase, c * (1 - NOX) + t * 32, amax_a, amax_b, base, xr0, xr1, one,
             m0, m1, m2, m3, m4, m5, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17,
-            MODE, X_DT, NTILE, FTZ, TENSOR)
+            MODE, X_DT, NTILE, FTZ, TENSOR, xok0, xok1, XPRED)
         if SPS == 2:
             amax_a = _amax5(qa1, sa1, code2_ptr, offset, FTZ, MODE)
             amax_b = _amax5(qb1, sb1, code2_ptr, offset, FTZ, MODE)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _step(
                 rd_a + sbase + QSTEP, rd_b + sbase + QSTEP, (c + 128) * (1 - NOX) + t * 32, amax_a, amax_b, base,
                 xr0, xr1, one, m0, m1, m2, m3, m4, m5, c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13,
-                c14, c15, c16, c17, MODE, X_DT, NTILE, FTZ, TENSOR)
+                c14, c15, c16, c17, MODE, X_DT, NTILE, FTZ, TENSOR, xok0, xok1, XPRED)
         qa0, qb0, sa0, sb0 = pa0, pb0, psa0, psb0
         qa1, qb1, sa1, sb1 = pa1, pb1, psa1, psb1
     _out(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, part_ptr, row_a, row_b, t, M, N, pid_k, PARTIAL, X_DT)
@@ -447,6 +454,11 @@ CANDIDATES = {
     "t_none4x2_nox": ("none", 1, 9),  # NOX: x loads loop-invariant
     "t_prmt4x2": ("prmt", 1, 9),
     "t_prmt4x2_nox": ("prmt", 1, 9),
+    # _xp: x's loads only in lanes whose x row exists (kernels.mma_pairs_x)
+    "t_none4x2_xp": ("none", 1, 9),
+    "t_prmt4x2_xp": ("prmt", 1, 9),
+    "t_prmt8_xp": ("prmt", 1, 6),
+    "t_pair8_xp": ("pair", 8, 11),
 }
 STREAM_MODES = {"stream": 5, "absmax": 6}
 _TMAPS: dict = {}
@@ -518,7 +530,7 @@ def linear(x, packed, qs, candidate: str):
             MODE=STREAM_MODES.get(mode, K.MODES.get(mode)), COPIES=copies, SHIFT=K.pair_shift(copies), X_DT=x_dt,
             NTILE=1 if m <= 8 else 2,
             THREADS=32 * warps, SHAPE=shape, STAGES=stages, SPS=sps, TENSOR=tensor, FTZ=True, PARTIAL=partial,
-            NOX=int(candidate.endswith("_nox")),
+            NOX=int(candidate.endswith("_nox")), XPRED=int("_xp" in candidate),
             num_warps=warps)
         return out, compiled
 

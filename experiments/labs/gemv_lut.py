@@ -46,6 +46,9 @@ CANDIDATES = {
     "none_fs": ("none", 1, 0, 4, 8),  # _fs: whole-sector loads (kernels._fetch FULLSEC)
     "pair16_fs": ("pair", 16, 0, 4, 6),
     "pair16_fs5": ("pair", 16, 0, 4, 5),
+    "none_fs_xp": ("none", 1, 0, 4, 8),  # _xp: x's loads only in lanes whose x row exists (kernels.mma_pairs_x)
+    "prmt_fs_xp": ("prmt", 1, 0, 4, 8),
+    "pair16_fs_xp": ("pair", 16, 0, 4, 6),
 }
 DEFAULT_CANDIDATES = ("pair16", "pair16_w8", "pair8", "pair16_p2", "pair16_p4", "level_prmt", "prmt")
 _code = K.levels  # (the name this module's callers used)
@@ -89,7 +92,7 @@ def lab_linear(x: torch.Tensor, packed: torch.Tensor, qs, candidate: str, out: t
         m, n, k // 2, p["split"], p["seg"], p["tiles"], 1,
         MODE=p["mode"], PRMT_WORDS=p["prmt_words"], COPIES=p["copies"], SHIFT=K.pair_shift(p["copies"]),
         X_DT=x_dt, NTILE=p["ntile"], THREADS=32 * p["num_warps"], PARTIAL=partial, FTZ=True,
-        FULLSEC=int("_fs" in candidate),
+        FULLSEC=int("_fs" in candidate), XPRED=int("_xp" in candidate),
         num_warps=p["num_warps"])
     if partial:
         block = 256

@@ -47,7 +47,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nf4.device import absmax_of_block, load_v4, product_table, table_pairs
+from nf4.device import absmax_of_block, load_v4, mma_16x8x16, product_table, table_pairs
 from nf4.linear.gemv_pair import mma_pairs, pair_asm, pair_constants, pair_shift  # noqa: F401 (the product's)
 from reference.format import NF4_CODE
 
@@ -240,6 +240,56 @@ def _word(wa, wb, q: tl.constexpr, xp0, xp1, base, amax_a, amax_b,
                      c10, c11, c12, c13, c14, c15, c16, c17, X_DT, NTILE)
 
 
+# x's 16 bytes at a word, only in lanes whose x row exists ($5 != 0): the other lanes' B columns (x rows >= M) give
+# output columns that are never stored, so their registers are left as they are (one L1 wavefront per 8-lane group
+# of real rows instead of every lane reading row min(g, M - 1))
+LD_V4_IF = tl.constexpr("{ .reg .pred p; setp.ne.u32 p, $5, 0; @p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }")
+
+
+@triton.jit
+def load_v4_if(ptr, ok):
+    return tl.inline_asm_elementwise(LD_V4_IF, "=r,=r,=r,=r,l,r", [ptr, ok], dtype=(tl.uint32,) * 4, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def mma_pairs_x(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, q, xp0, xp1, ok0, ok1,
+                c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17,
+                X_DT: tl.constexpr, NTILE: tl.constexpr, XPRED: tl.constexpr):
+    """nf4.linear.gemv_pair.mma_pairs with XPRED: x's words loaded only where the lane's x row exists (ok0 / ok1)."""
+    if XPRED:
+        x0, x1, x2, x3 = load_v4_if(xp0 + 4 * q, ok0)
+    else:
+        x0, x1, x2, x3 = load_v4(xp0 + 4 * q, False)
+    c00, c01, c02, c03 = mma_16x8x16(pa0, pb0, pa1, pb1, x0, x1, c00, c01, c02, c03, X_DT)
+    c04, c05, c06, c07 = mma_16x8x16(pa2, pb2, pa3, pb3, x2, x3, c04, c05, c06, c07, X_DT)
+    if NTILE == 2:
+        if XPRED:
+            y0, y1, y2, y3 = load_v4_if(xp1 + 4 * q, ok1)
+        else:
+            y0, y1, y2, y3 = load_v4(xp1 + 4 * q, False)
+        c10, c11, c12, c13 = mma_16x8x16(pa0, pb0, pa1, pb1, y0, y1, c10, c11, c12, c13, X_DT)
+        c14, c15, c16, c17 = mma_16x8x16(pa2, pb2, pa3, pb3, y2, y3, c14, c15, c16, c17, X_DT)
+    return c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17
+
+
+@triton.jit
+def _wordx(wa, wb, q: tl.constexpr, xp0, xp1, base, amax_a, amax_b,
+           ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
+           m0, m1, m2, m3, m4, m5, m6, m7, m8,
+           c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17,
+           MODE: tl.constexpr, PRMT_WORDS: tl.constexpr, X_DT: tl.constexpr, NTILE: tl.constexpr,
+           ok0, ok1, XPRED: tl.constexpr):
+    """_word with x's loads predicated on the lane's x row (XPRED)."""
+    pa0, pa1, pa2, pa3 = _pairs(wa, q, base, amax_a, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7,
+                                m0, m1, m2, m3, m4, m5, m6, m7, m8, MODE, PRMT_WORDS, X_DT)
+    pb0, pb1, pb2, pb3 = _pairs(wb, q, base, amax_b, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7,
+                                m0, m1, m2, m3, m4, m5, m6, m7, m8, MODE, PRMT_WORDS, X_DT)
+    return mma_pairs_x(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, q, xp0, xp1, ok0, ok1,
+                       c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17, X_DT, NTILE,
+                       XPRED)
+
+
 @triton.jit
 def _store1(y, out_ptr, r, m, M, N, pid_k, PARTIAL: tl.constexpr, X_DT: tl.constexpr):
     ok = (r < N) & (m < M)
@@ -306,6 +356,7 @@ def lab_gemv_kernel(
     X_DT: tl.constexpr,
     NTILE: tl.constexpr, THREADS: tl.constexpr, PARTIAL: tl.constexpr, FTZ: tl.constexpr,
     FULLSEC: tl.constexpr,  # 0 or 1 (see _fetch)
+    XPRED: tl.constexpr,  # 0 or 1: x's loads only in lanes whose x row exists (mma_pairs_x)
 ):
     """x @ W^T for M <= 16 (NTILE 8-row tiles of x) on tensor cores; tiles of (64-row block, K segment of SEG
     bytes) t = pid, pid + P, ...: tile t covers rows (t // SPLIT) * 16 * warps.. and K segment t % SPLIT.
@@ -334,6 +385,8 @@ def lab_gemv_kernel(
     zero = tl.zeros((THREADS,), dtype=tl.float32)
     xr0 = xw_ptr + tl.minimum(g, M - 1) * KB
     xr1 = xw_ptr + tl.minimum(8 + g, M - 1) * KB
+    xok0 = (g < M).to(tl.uint32)
+    xok1 = (8 + g < M).to(tl.uint32)
     for tile in range(tl.program_id(0), TILES, tl.num_programs(0)):
         pid_k = tile % SPLIT
         row_a = (tile // SPLIT) * (THREADS // 2) + (i // 32) * 16 + g
@@ -364,38 +417,38 @@ def lab_gemv_kernel(
                 tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b, FTZ, X_DT)
             xp0, xp1 = xr0 + j, xr1 + j
             xh0, xh1 = xp0 + 48 * FULLSEC, xp1 + 48 * FULLSEC  # words 4-7 (FULLSEC: 64 bytes on)
-            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a0, b0, 0, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
-            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
+                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a1, b1, 1, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
-            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
+                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a2, b2, 2, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
-            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
+                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a3, b3, 3, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
-            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
+                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a4, b4, 4, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
-            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
+                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a5, b5, 5, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
-            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
+                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a6, b6, 6, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
-            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _word(
+                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
+            (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a7, b7, 7, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
-                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE)
+                c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
         _store(c00, c01, c02, c03, c04, c05, c06, c07, 0, out_ptr, row_a, row_b, t, M, N, pid_k, PARTIAL, X_DT)
         if NTILE == 2:
             _store(c10, c11, c12, c13, c14, c15, c16, c17, 8, out_ptr, row_a, row_b, t, M, N, pid_k, PARTIAL, X_DT)

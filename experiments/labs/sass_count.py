@@ -249,7 +249,7 @@ def lab_args(mode: str, prmt_words: int = 0, copies: int = 16, ntile: int = 1, d
             "M": 1, "N": N_DEMO, "KB": kb, "SPLIT": 2, "SEG": kb // 2, "TILES": 448, "ONE": 1,
             "MODE": MODES[mode], "PRMT_WORDS": prmt_words, "COPIES": copies, "SHIFT": pair_shift(copies),
             "X_DT": 2 if dtype == "bf16" else 1, "NTILE": ntile, "THREADS": 32 * num_warps, "PARTIAL": True,
-            "FTZ": True, "FULLSEC": 0}
+            "FTZ": True, "FULLSEC": 0, "XPRED": 0}
 
 
 BASELINE_MODULES = ("nf4.linear.gemv_mma", "nf4.linear.kernel")  # where nf4_gemv_mma_kernel has lived
@@ -361,7 +361,7 @@ def bulk_args(mode: str, shape: int, copies: int = 1, ntile: int = 1) -> dict:
 
     stages, warps, sps, tensor = SHAPES[shape]
     args = skeleton_args(mode, copies=copies, warps=warps, stages=stages, ntile=ntile)
-    args.update(SHAPE=shape, SPS=sps, TENSOR=tensor, tmap_ptr="*u8", NOX=0)
+    args.update(SHAPE=shape, SPS=sps, TENSOR=tensor, tmap_ptr="*u8", NOX=0, XPRED=0)
     return args
 
 
