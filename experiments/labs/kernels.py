@@ -433,6 +433,9 @@ def lab_gemv_kernel(
                 a3, b3, 3, xp0, xp1, base, amax_a, amax_b, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
                 c11, c12, c13, c14, c15, c16, c17, MODE, PRMT_WORDS, X_DT, NTILE, xok0, xok1, XPRED)
+            if FULLSEC and (MODE == 0 or PRMT_WORDS > 4):  # words 4-7 are the second block's (see _fetch)
+                ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7 = product_table(amax_a2, FTZ, X_DT)
+                tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = product_table(amax_b2, FTZ, X_DT)
             (c00, c01, c02, c03, c04, c05, c06, c07, c10, c11, c12, c13, c14, c15, c16, c17) = _wordx(
                 a4, b4, 4, xh0, xh1, base, amax_a2, amax_b2, ta0, ta1, ta2, ta3, ta4, ta5, ta6, ta7, tb0, tb1, tb2, tb3,
                 tb4, tb5, tb6, tb7, m0, m1, m2, m3, m4, m5, m6, m7, one, c00, c01, c02, c03, c04, c05, c06, c07, c10,
