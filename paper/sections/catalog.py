@@ -21,13 +21,25 @@ BANDWIDTH_BAR = 0.9
 DASHES = "---"
 PEER_NAMES = {"bnb_dequantize_4bit": "bitsandbytes dequantize\\_4bit",
               "unsloth_dequantize": "Unsloth fast\\_dequantize"}
+# the bulk-copy skeleton's ablation (results/labs/gemv_bulk_<gpu>.json), in the order it adds work; (key, head, macro)
+BULK = (("nf4.linear", "nf4.linear", "Product"), ("t_stream4x2", "TMA stream", "Stream"),
+        ("t_absmax4x2", "+ absmax", "Absmax"), ("t_none4x2_nox", "+ products, x fixed", "Nox"),
+        ("t_none4x2", "+ x, every lane", "None"), ("t_none4x2_xp", "x, real rows", "Xp"),
+        ("t_prmt4x2_xp", "prmt decode", "Prmt"), ("none_fs_xp", "first control, x real rows", "FirstXp"),
+        ("pair16_fs_xp", "first, pair table", "FirstPair"))
 LAB = (("nf4.linear", "nf4.linear"), ("none_fs", "control, no decode"), ("prmt", "prmt table"),
        ("pair16_fs", "pair table"), ("d_none", "deep control"), ("d_pair16", "deep pair"))
 
 
 def load(doc: Document) -> dict:
     """{"dequant": {gpu tag: payload}, "lab": {gpu tag: payload}}: the files present (each missing one noted)."""
-    out = {"dequant": {}, "lab": {}}
+    out = {"dequant": {}, "lab": {}, "bulk": {}}
+    for tag, _, label in GPUS:
+        name = f"labs/gemv_bulk_{tag}.json"  # a lab run: no note where a GPU has none
+        if (doc.results / name).exists():
+            payload = doc.load(name, label="experiments.labs.gemv_lut", required_for=f"bulk lab table, {label}")
+            if isinstance(payload, dict):
+                out["bulk"][tag] = payload
     for tag, _, label in GPUS:
         for kind, name, command in (("dequant", f"catalog/dequant_{tag}.json", "experiments catalog-bench dequant"),
                                     ("lab", f"labs/gemv_skeletons_{tag}.json", "experiments.labs.gemv_lut")):
@@ -80,6 +92,7 @@ def build(doc: Document, data: dict) -> None:
     _table(doc, sums)
     _figure(doc, dequant)
     _lab(doc, data.get("lab") or {})
+    _bulk(doc, data.get("bulk") or {})
 
 
 def _table(doc: Document, sums: dict) -> None:
@@ -151,3 +164,39 @@ def _lab(doc: Document, lab: dict) -> None:
             lines.append(row([label, rf"{n}$\times${k}", f"{base:.1f}" if base else NM, *cells]))
     lines += [r"\bottomrule", r"\end{tabular}"]
     doc.write("gemv_skeletons_table.tex", "\n".join(lines) + "\n")
+
+
+def bulk_ratios(payload: dict) -> dict:
+    """{(N, K): {provider: time / its own run's same-bytes cuBLAS time}} at M = 1."""
+    out = {}
+    for r in payload.get("rows") or []:
+        if not isinstance(r, dict) or r.get("M") != 1 or not r.get("graph_us") or not r.get("same_bytes_us"):
+            continue
+        out.setdefault((r["N"], r["K"]), {})[r["provider"]] = r["graph_us"] / r["same_bytes_us"]
+    return out
+
+
+def _bulk(doc: Document, bulk: dict) -> None:
+    for tag, g, _ in GPUS:
+        ratios = bulk_ratios(bulk[tag]) if tag in bulk else {}
+        big = [v for (n, k), v in ratios.items() if n * k >= BIG]
+        for key, _, stem in BULK:
+            vals = [v[key] for v in big if key in v]
+            doc.macro(f"NFbulk{stem}Min{g}", ratio(min(vals)) if vals else NM)
+            doc.macro(f"NFbulk{stem}Max{g}", ratio(max(vals)) if vals else NM)
+    if not bulk:
+        doc.write("gemv_bulk_table.tex", missing_box(r"results/labs/gemv\_bulk\_<gpu>.json"))
+        return
+    lines = [r"\begin{tabular}{ll" + "r" * (len(BULK) + 1) + "}", r"\toprule",
+             row(["GPU", r"$N \times K$", r"same bytes (\textmu s)", *[tex(h) for _, h, _ in BULK]]), r"\midrule"]
+    for tag, _, label in GPUS:
+        p = bulk.get(tag)
+        if not p:
+            continue
+        base = {(r["N"], r["K"]): r.get("graph_us") for r in p.get("rows") or []
+                if r.get("M") == 1 and r.get("provider") == "dense F.linear [N, K/4]"}
+        for (n, k), v in bulk_ratios(p).items():
+            lines.append(row([label, rf"{n}$\times${k}", f"{base[(n, k)]:.1f}" if base.get((n, k)) else NM,
+                              *[ratio(v[key]) if key in v else NM for key, _, _ in BULK]]))
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    doc.write("gemv_bulk_table.tex", "\n".join(lines) + "\n")

@@ -1,0 +1,95 @@
+"""results/decode/decode_<gpu>.json (`python -m experiments decode`): greedy decode and prefill of a full-depth
+Llama-3-8B-shaped model with random weights, as fast inference runs it (static KV cache; compiled: torch.compile
+mode="reduce-overhead", fullgraph, CUDA graphs) and eager, in four modes: dense bf16, bitsandbytes alone, nf4
+patched in (plain) and nf4 patched with fused_linear=True.
+
+The table gives, per GPU, model, batch and mode, the decode's ms per token eager and compiled, the compiled one's
+speedup over dense bf16 and over bitsandbytes alone, the profiler's share of device time in the 4-bit linear's
+kernels, and whether the compiled decode captured one full graph. The macros carry the compiled batch-1 figures of
+the fused mode (the issue's bars: 2x dense bf16 and 2x bitsandbytes at batch 1).
+"""
+
+from __future__ import annotations
+
+from paper.latex import NM, Document, missing_box, num, pct, ratio, row, tex
+from paper.sections.linear import GPUS
+
+MODES = (("dense", "dense bf16"), ("bnb", "bitsandbytes alone"), ("nf4", r"nf4 patched"),
+         ("nf4-fused", r"nf4, \code{fused\_linear}"))
+BAR = 2.0  # the compiled decode's bar at batch 1, over dense bf16 and over bitsandbytes alone
+
+
+def load(doc: Document) -> dict:
+    """{gpu tag: payload} of the files present (each missing one noted)."""
+    out = {}
+    for tag, _, label in GPUS:
+        name = f"decode/decode_{tag}.json"
+        if not (doc.results / name).exists():
+            doc.missing.append(f"results/{name} ({label}: python -m experiments decode)")
+            continue
+        payload = doc.load(name, label="experiments decode", required_for=f"decode table, {label}")
+        if isinstance(payload, dict):
+            out[tag] = payload
+    return out
+
+
+def _decode_rows(payload: dict) -> dict:
+    """{(model, layers, batch, mode, compiled): row} of the decode rows that ran."""
+    return {(r.get("model"), r.get("layers"), r.get("batch"), r.get("mode"), bool(r.get("compiled"))): r
+            for r in payload.get("rows") or []
+            if isinstance(r, dict) and r.get("phase") == "decode" and not r.get("error") and r.get("ms_per_token")}
+
+
+def summary(payload: dict) -> list[dict]:
+    """Per (model, layers, batch, mode): eager and compiled ms per token, the compiled speedups over dense and
+    bitsandbytes alone, the compiled linear share and fullgraph."""
+    rows = _decode_rows(payload)
+    out = []
+    for model, layers, batch in dict.fromkeys(k[:3] for k in rows):
+        dense = rows.get((model, layers, batch, "dense", True))
+        bnb = rows.get((model, layers, batch, "bnb", True))
+        for mode, _ in MODES:
+            eager = rows.get((model, layers, batch, mode, False))
+            comp = rows.get((model, layers, batch, mode, True))
+            if not eager and not comp:
+                continue
+            ms = comp["ms_per_token"] if comp else None
+            out.append({"model": model, "layers": layers, "batch": batch, "mode": mode,
+                        "eager_ms": eager["ms_per_token"] if eager else None, "compiled_ms": ms,
+                        "vs_dense": dense["ms_per_token"] / ms if dense and ms else None,
+                        "vs_bnb": bnb["ms_per_token"] / ms if bnb and ms else None,
+                        "linear_share": (comp or {}).get("linear_share"),
+                        "fullgraph": (comp or {}).get("fullgraph"),
+                        "deterministic": (comp or {}).get("deterministic")})
+    return out
+
+
+def build(doc: Document, data: dict) -> None:
+    doc.macro("NFdecodeBar", ratio(BAR))
+    sums = {tag: summary(p) for tag, p in data.items()}
+    for tag, g, _ in GPUS:
+        fused = next((s for s in sums.get(tag) or [] if s["mode"] == "nf4-fused" and s["batch"] == 1), None)
+        doc.macro(f"NFdecodeFusedVsDense{g}", ratio(fused["vs_dense"]) if fused and fused["vs_dense"] else NM)
+        doc.macro(f"NFdecodeFusedVsBnb{g}", ratio(fused["vs_bnb"]) if fused and fused["vs_bnb"] else NM)
+        doc.macro(f"NFdecodeFusedMs{g}", num(fused["compiled_ms"], 2) if fused and fused["compiled_ms"] else NM)
+        doc.macro(f"NFdecodeFusedLinearShare{g}", pct(100 * fused["linear_share"]) if fused and fused["linear_share"]
+                  else NM)
+        doc.macro(f"NFdecodeLayers{g}", str(fused["layers"]) if fused else NM)
+    if not sums:
+        doc.write("decode_table.tex", missing_box(r"results/decode/decode\_<gpu>.json (\texttt{python -m experiments "
+                                                  r"decode} on a GPU)"))
+        return
+    lines = [r"\begin{tabular}{lllrrrrrl}", r"\toprule",
+             row(["GPU", "batch", "mode", "eager ms/token", "compiled ms/token", "vs dense", "vs bnb",
+                  r"4-bit linear (\%)", "full graph"]), r"\midrule"]
+    for tag, _, label in GPUS:
+        for s in sums.get(tag) or []:
+            lines.append(row([label, str(s["batch"]), dict(MODES).get(s["mode"], tex(s["mode"])),
+                              num(s["eager_ms"], 2) if s["eager_ms"] else NM,
+                              num(s["compiled_ms"], 2) if s["compiled_ms"] else NM,
+                              ratio(s["vs_dense"]) if s["vs_dense"] else NM,
+                              ratio(s["vs_bnb"]) if s["vs_bnb"] else NM,
+                              pct(100 * s["linear_share"]) if s["linear_share"] else "---",
+                              {True: "yes", False: "no"}.get(s["fullgraph"], "---")]))
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    doc.write("decode_table.tex", "\n".join(lines) + "\n")

@@ -1,0 +1,62 @@
+"""paper.sections.decode and the catalog section's bulk-lab table: speedups and macros from a result file's rows."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from paper import generate
+from paper.sections import catalog, decode
+
+
+def _row(mode, compiled, ms, share=None, phase="decode", **extra):
+    return {"model": "llama3-8b", "layers": 32, "batch": 1, "mode": mode, "compiled": compiled, "phase": phase,
+            "ms_per_token": ms, "tokens_per_s": 1000 / ms, "linear_share": share,
+            "fullgraph": True if compiled else None, **extra}
+
+
+def _payload():
+    return {"device": "NVIDIA H200", "rows": [
+        _row("dense", False, 20.0), _row("dense", True, 6.0), _row("bnb", False, 30.0, 0.5),
+        _row("bnb", True, 5.0, 0.6), _row("nf4-fused", False, 29.0, 0.4), _row("nf4-fused", True, 4.0, 0.55),
+        _row("nf4-fused", True, 0.01, phase="prefill"),  # not a decode row
+        _row("nf4", True, 3.0, error="OutOfMemoryError")]}  # a failed unit has no row
+
+
+def _macros(files):
+    return dict(re.findall(r"\\newcommand\{\\(NF(?:decode|bulk)[A-Za-z]+)\}\{(.*)\}", files["macros.tex"]))
+
+
+def test_summary_speedups_over_dense_and_bnb():
+    s = {r["mode"]: r for r in decode.summary(_payload())}
+    assert set(s) == {"dense", "bnb", "nf4-fused"}  # the failed nf4 unit is not summarised
+    assert s["nf4-fused"]["vs_dense"] == 6.0 / 4.0 and s["nf4-fused"]["vs_bnb"] == 5.0 / 4.0
+    assert s["nf4-fused"]["eager_ms"] == 29.0 and s["dense"]["vs_dense"] == 1.0
+
+
+def test_macros_and_table(tmp_path):
+    (tmp_path / "decode").mkdir()
+    (tmp_path / "decode" / "decode_h200.json").write_text(json.dumps(_payload()))
+    files, missing = generate.generate(tmp_path, generate.CLAIMS)
+    macros = _macros(files)
+    assert macros["NFdecodeFusedVsDenseHTwoHundred"] == "1.50" and macros["NFdecodeFusedVsBnbHTwoHundred"] == "1.25"
+    assert macros["NFdecodeFusedMsHTwoHundred"] == "4.00" and macros["NFdecodeFusedLinearShareHTwoHundred"] == "55.0"
+    assert macros["NFdecodeFusedVsDenseHOneHundred"] == generate.NM
+    assert any("decode_h100.json" in m for m in missing)
+    want = "H200 & 1 & nf4, \\code{fused\\_linear} & 29.00 & 4.00 & 1.50 & 1.25 & 55.0 & yes"
+    assert want in files["decode_table.tex"]
+
+
+def test_bulk_ratios_use_each_rows_own_run(tmp_path):
+    rows = [{"N": 4096, "K": 4096, "M": 1, "provider": p, "graph_us": us, "same_bytes_us": base}
+            for p, us, base in (("t_stream4x2", 5.0, 5.0), ("t_none4x2", 12.0, 6.0),
+                                ("dense F.linear [N, K/4]", 5.0, 5.0))]
+    rows.append({"N": 4096, "K": 4096, "M": 4, "provider": "t_none4x2", "graph_us": 99.0, "same_bytes_us": 1.0})
+    r = catalog.bulk_ratios({"rows": rows})
+    assert r == {(4096, 4096): {"t_stream4x2": 1.0, "t_none4x2": 2.0, "dense F.linear [N, K/4]": 1.0}}
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / "gemv_bulk_h200.json").write_text(json.dumps({"rows": rows}))
+    files, _ = generate.generate(tmp_path, generate.CLAIMS)
+    macros = _macros(files)
+    assert macros["NFbulkNoneMaxHTwoHundred"] == "2.00" and macros["NFbulkStreamMinHTwoHundred"] == "1.00"
+    assert macros["NFbulkPrmtMinHTwoHundred"] == generate.NM
