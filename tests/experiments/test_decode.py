@@ -224,6 +224,21 @@ def test_budget_stops_cleanly(tmp_path):
     assert "32000" not in payload["config"]["vocab_note"] and "64" in payload["config"]["vocab_note"]
 
 
+@needs_transformers
+@pytest.mark.slow  # one torch.compile of a tiny model on the CPU (about 20 s)
+def test_compiled_unit_runs(tmp_path):
+    """A compiled unit (the decode step under reduce-overhead, the prefill compiled) gives rows, not an error: a run
+    on the H200 was the first to reach this path, after a CPU run found it failing on its own row fields."""
+    out = tmp_path / "decode.json"
+    code = decode.main(["--allow-cpu", "--tiny", "--models", "llama3-8b", "--layers", "1", "--vocab", "64", "--modes",
+                        "dense", "--batches", "1", "--compiled", "on", "--prefill", "4", "--tokens", "2", "--reps", "1",
+                        "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 0 and [r["phase"] for r in rows] == ["prefill", "decode"], rows
+    assert all(r["compiled"] is True and r["fullgraph"] is True and not r.get("error") for r in rows), rows
+    assert rows[1]["deterministic"] is True and rows[1]["ms_per_token"] > 0
+
+
 # --- the CLI without CUDA --------------------------------------------------------------------------
 
 
