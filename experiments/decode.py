@@ -19,7 +19,8 @@ checkpoint: every nn.Linear of the decoder layers becomes a `bitsandbytes.nn.Lin
 Modes (--modes): `dense` (the bf16 model before quantization), `bnb` (bitsandbytes alone), `nf4`
 (`nf4.patch_bitsandbytes()`), `nf4-fused` (`nf4.patch_bitsandbytes(fused_linear=True)`). Each model is built once:
 the dense rows run first, then its linears are quantized in place (the bf16 weights freed as each is replaced) and
-the three 4-bit modes run on that one quantized model, each inside its patch. Only one model is alive at a time.
+the 4-bit modes run on that one quantized model, each inside its patch, in the order --modes names them (so that a
+--budget-s stop cuts the last named). Only one model is alive at a time.
 
 Each (model, mode, compiled, batch): a transformers StaticCache of max(--prefill) + --tokens + 1 positions; for each
 prefill length P a seeded random prompt (batch x P) is run through the model (logits of the last position only) and
@@ -479,7 +480,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     try:
         args.model_list = parse_names(args.models, MODELS, "--models")
-        args.mode_list = [m for m in MODES if m in parse_names(args.modes, MODES, "--modes")]
+        modes = parse_names(args.modes, MODES, "--modes")
+        # dense first (it runs before the linears are quantized in place), then the order given: under --budget-s
+        # the modes named first are the ones that run
+        args.mode_list = [m for m in modes if m == "dense"] + [m for m in modes if m != "dense"]
         args.batch_list = parse_ints(args.batches, "--batches")
         args.prefill_list = parse_ints(args.prefill, "--prefill")
     except ValueError as exc:

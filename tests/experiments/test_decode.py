@@ -49,7 +49,8 @@ def test_arguments():
                            "nf4-fused,bnb", "--compiled", "on", "--prefill", "128", "--tokens", "8", "--budget-s",
                            "60", "--out", "x.json"])
     assert a.model_list == ["qwen2.5-7b"] and a.layers == 4 and a.batch_list == [32, 1]
-    assert a.mode_list == ["bnb", "nf4-fused"]  # run in MODES order: dense before quantization, bnb first
+    assert a.mode_list == ["nf4-fused", "bnb"]  # the order given (--budget-s stops the last ones first)
+    assert decode.parse_args(["--modes", "nf4,dense,bnb"]).mode_list == ["dense", "nf4", "bnb"]  # dense first
     assert a.compiled_list == (True,) and a.prefill_list == [128] and a.tokens == 8 and a.budget_s == 60
     assert decode.parse_args(["--compiled", "off"]).compiled_list == (False,)
 
