@@ -183,7 +183,10 @@ def _state_of_call(shapeB, absmax, blocksize, dtype, absmax_8bit, absmax_code, a
     state rebuilt from the parts is the same computation (the same tensors), and lets nf4.dequantize take
     its repeat-call plan, which is kept per QuantState object."""
     state = getattr(_calling, "state", None)
-    if state is None or state.dtype is not dtype or state.blocksize != blocksize or state.shape is not shapeB:
+    # shapeB by value: gemm_4bit's CUDA kernel is reached through torch.ops, whose int[] argument arrives as a new
+    # list (the tensors keep their identity), so `state.shape is shapeB` never held there
+    if (state is None or state.dtype is not dtype or state.blocksize != blocksize
+            or tuple(state.shape) != tuple(shapeB)):
         return None
     if absmax_8bit is None:
         return state if not state.nested and state.absmax is absmax else None

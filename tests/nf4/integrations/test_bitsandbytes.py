@@ -706,8 +706,9 @@ def test_fused_mode_bindings_and_restore():
 
 def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
     """While the matmul_4bit replacement runs its original, the fallback's replacement gets the call's own
-    QuantState for gemm_4bit's arguments that are that state's tensors (so nf4.dequantize's plan for the state
-    serves it), None for any other arguments, and None outside the call; the plain mode does it too."""
+    QuantState for gemm_4bit's arguments that are that state's tensors and shape (by value: torch.ops hands the
+    kernel a new list), so that nf4.dequantize's plan for the state serves it; None for any other arguments, and
+    None outside the call; the plain mode does it too."""
     from nf4.integrations.bitsandbytes import route_matmul_4bit
     from nf4.integrations.routes import _state_of_call
 
@@ -729,6 +730,9 @@ def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
             o_nested = (other.absmax, other.state2.code, other.offset) if other.nested else (None, None, None)
             seen.append(_state_of_call(shape, o_absmax, blocksize, A.dtype, *o_nested))
             seen.append(_state_of_call(shape, absmax, blocksize, torch.float16, *nested))
+            seen.append(_state_of_call((shape[0] - 1, shape[1]), absmax, blocksize, A.dtype, *nested))  # other shape
+            # the shape as torch.ops hands it to gemm_4bit's kernel: a new list of the same ints is the call's state
+            seen.append(_state_of_call(list(shape), absmax, blocksize, A.dtype, *nested))
             seen.append(_state_of_call(torch.Size(tuple(shape)), absmax, blocksize, A.dtype, *nested))
             return "original"
 
@@ -738,7 +742,8 @@ def test_matmul_4bit_hands_its_state_to_the_fallback(nf4h):
             seen.clear()
             with nf4.patched_bitsandbytes(fused_linear=fused):
                 assert route(a, packed, state) == "original"
-            assert seen[0] is state and seen[1:] == [None, None, None], (double_quant, fused)
+            assert seen[0] is state and seen[1:4] == [None, None, None], (double_quant, fused)
+            assert seen[4] is state and seen[5] is state, (double_quant, fused)
         args, _ = _fallback_args(state, a, packed, None)
         assert _state_of_call(args[2], args[3], 64, torch.bfloat16, state.absmax if state.nested else None,
                               state.state2.code if state.nested else None,
@@ -973,3 +978,23 @@ def test_import_nf4_does_not_import_bitsandbytes():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loaded: []" in result.stdout, result.stdout
+
+
+def test_torch_ops_hands_a_new_shape_list_and_the_same_tensors():
+    """What the handover relies on, through a torch.library op of gemm_4bit's argument kinds (int[] and Tensor): the
+    kernel receives the caller's tensor objects and a new list for the shape, so the shape must be compared by value
+    (a run on GPUs routed every prefill dequantization through a rebuilt QuantState while it was compared by
+    identity)."""
+    lib = torch.library.Library("nf4_test_handover", "DEF")
+    lib.define("probe(Tensor A, int[] shapeB, Tensor absmax) -> Tensor")
+    seen = {}
+
+    def kernel(A, shapeB, absmax):
+        seen.update(A=A, shapeB=shapeB, absmax=absmax)
+        return A.clone()
+
+    lib.impl("probe", kernel, "CPU")
+    a, absmax, shape = torch.randn(3), torch.randn(4), torch.Size([5, 6])
+    torch.ops.nf4_test_handover.probe.default(a, shape, absmax)
+    assert seen["A"] is a and seen["absmax"] is absmax
+    assert seen["shapeB"] is not shape and list(seen["shapeB"]) == [5, 6]
