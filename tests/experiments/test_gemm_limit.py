@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments.gemm_limit import PROBES, config_for
 from experiments.gemv_limit import wgmma_serialized, wgmma_waits
 from nf4.linear import tuned as linear_tuned
@@ -54,6 +56,7 @@ def test_config_per_m_is_the_word_gemm_the_table_runs():
     assert dict(linear_tuned.TUNED["H100"]["forward"])[256] is linear_tuned.WORD_GEMM256
 
 
+@pytest.mark.slow  # offline sm_90 builds (make test-long)
 def test_sass_counts_follow_from_the_kernels(tmp_path):
     """At M = 256 (WORD_GEMM256: 8 warps, 128 rows by 64 weights a step, 4 words a thread) the production loop and
     the lookup probes issue one product table (8 prmt) and 4 x LOOKUP_ASM's prmt per step, and the same HGMMA; the

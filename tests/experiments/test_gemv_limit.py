@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments.gemv_limit import MODES, _main_loop
 
 _SASS = """
@@ -34,6 +36,7 @@ def test_main_loop_is_the_longest_backward_branch():
     assert _main_loop("") == []
 
 
+@pytest.mark.slow  # offline sm_90 builds (make test-long)
 def test_sass_counts_follow_from_the_kernels(tmp_path):
     """The production loop at M = 1 (H100 row: 32-byte lanes, two rows per lane) looks up 2 x 32 / 4 = 16 words per
     lane and step, 16 prmt each (nf4.device's LOOKUP_ASM), after 2 product tables of 8 prmt each: 272 prmt; its

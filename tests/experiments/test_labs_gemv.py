@@ -187,6 +187,7 @@ def pair_builds():
     return {r["build"]: r for r in sc.count_builds(["gemv_pair", "gemv_pair_m16", "pair16"])}
 
 
+@pytest.mark.slow  # three offline sm_90 builds (make test-long)
 def test_product_pair_kernel_builds_for_sm90(pair_builds):
     """nf4/linear/gemv_pair.py compiles for sm_90 with its own launch's arguments: no local memory, its 32 KiB
     table in static shared memory, 4 conflict-free LDS.64 per 8 weights, and at M = 1 the lab pair16's main loop

@@ -407,6 +407,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow  # offline sm_75 / sm_80 builds (make test-long)
 def test_word_gemv_needs_sm80():
     """What the word GEMVs' sm_75 rows claim: ptxas refuses their PTX for sm_75 (the packed conversions, and the
     m16n8k16 mma of nf4_gemv_mma_kernel, need sm_80) and builds the same launches for sm_80, in fp16 and bf16;
