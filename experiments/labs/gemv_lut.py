@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import triton
 
-from . import bulk, deep, staged, stream
+from . import bulk, deep, scaled, staged, stream
 from . import kernels as K
 
 # name -> (mode, copies, prmt_words, num_warps, programs per SM)
@@ -163,7 +163,7 @@ def run_weight(n: int, k: int, ms, candidates, dtype, copy_gbs: float, log=print
         rows.append({**base, "provider": "dense F.linear [N, K/4]", "operand_mismatches": None,
                      "graph_us": timed(lambda i, xd=xd: torch.nn.functional.linear(xd, dense[i % len(dense)]))})
         for cand in candidates:
-            lab = next((mod for mod in (stream, staged, deep, bulk) if cand in mod.CANDIDATES), None)
+            lab = next((mod for mod in (stream, staged, deep, bulk, scaled) if cand in mod.CANDIDATES), None)
             if lab is not None:
                 row = {**base, "provider": cand}
                 try:
@@ -172,7 +172,13 @@ def run_weight(n: int, k: int, ms, candidates, dtype, copy_gbs: float, log=print
                     y = lab.linear(x, sets[0][0], sets[0][1], cand)
                     torch.cuda.synchronize()
                     row["plan"] = lab.plan_of(cand, x, sets[0][1])
-                    row["operand_mismatches"] = operand_mismatches(y, wd, cols, scales)
+                    if hasattr(lab, "check"):  # another numerical contract: its model and bound, on random x
+                        xr = torch.randn((m, k), generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+                        row["contract"] = lab.check(lab.linear(xr, sets[0][0], sets[0][1], cand), xr,
+                                                    sets[0][0], sets[0][1])
+                        row["operand_mismatches"] = None
+                    else:
+                        row["operand_mismatches"] = operand_mismatches(y, wd, cols, scales)
                     row["graph_us"] = timed(lambda i, c=cand, x=x, lab=lab: lab.linear(
                         x, sets[i % len(sets)][0], sets[i % len(sets)][1], c))
                 except Exception as exc:
@@ -197,6 +203,7 @@ def run_weight(n: int, k: int, ms, candidates, dtype, copy_gbs: float, log=print
             log(f"  {n}x{k} M={m:<2} {r['provider']:<24} {us if us else float('nan'):8.2f} us "
                 f"({(us / r['byte_floor_us']) if us else float('nan'):5.2f}x floor {r['byte_floor_us']:.2f})"
                 f"  operand mismatches {r.get('operand_mismatches')}"
+                + (f"  contract {r['contract']}" if "contract" in r else "")
                 + (f"  ERROR {r['error']}" if "error" in r else ""),
                 flush=True)
     sets.clear()
@@ -238,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
                     choices=sorted(CANDIDATES) + sorted(stream.CANDIDATES) + sorted(staged.CANDIDATES)
-                    + sorted(deep.CANDIDATES) + sorted(bulk.CANDIDATES))
+                    + sorted(deep.CANDIDATES) + sorted(bulk.CANDIDATES) + sorted(scaled.CANDIDATES))
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", default="build/labs/gemv_lut.json")
     ap.add_argument("--no-sass", action="store_true", help="skip the offline SASS counts")

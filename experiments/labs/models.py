@@ -140,7 +140,7 @@ def run_ptx(asm, inputs: dict, shared: Shared | None = None) -> dict:
             regs[m.group(1)] = shared.load32(addr)
             regs[m.group(2)] = shared.load32(addr + np.uint64(4))
             continue
-        m = re.match(r"^ld\.shared\.f32\s+(\S+)\s*,\s*\[(\S+)\]$", stmt)
+        m = re.match(r"^ld\.shared\.(?:f32|b32)\s+(\S+)\s*,\s*\[(\S+)\]$", stmt)
         if m:
             regs[m.group(1)] = shared.load32(regs[m.group(2)])
             continue

@@ -349,6 +349,23 @@ def _deep_kernel():
     return lab_deep_kernel
 
 
+def _scaled_kernel():
+    from .scaled import lab_scaled_kernel
+
+    return lab_scaled_kernel
+
+
+def scaled_args() -> dict:
+    """Arguments of the scaled-contract GEMV (scaled.py) at M = 1, bf16, split 2, 4 warps."""
+    from .scaled import table_shift
+
+    kb = K_DEMO // 2
+    return {"x_ptr": "*bf16", "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32",
+            "offset_ptr": "*fp32", "lev_ptr": "*i32", "out_ptr": "*fp32", "M": 1, "N": N_DEMO, "KB": kb, "SPLIT": 2,
+            "SEG": kb // 2, "ONE": 1, "X_DT": 2, "THREADS": 128, "SHIFT": table_shift(), "PARTIAL": True,
+            "FTZ": True}
+
+
 def _bulk_kernel():
     from .bulk import lab_bulk_kernel
 
@@ -422,6 +439,8 @@ BUILDS = {
                "bulk-copy skeleton, prmt decode, 4 stages of 2 steps, 2 warps"),
     "b_pair8": (_bulk_kernel, lambda: bulk_args("pair", 1, copies=8), 2, ("HMMA", 8),
                 "bulk-copy skeleton, pair table (8 copies), 3 stages of 2 steps, 2 warps"),
+    "scaled": (_scaled_kernel, scaled_args, 4, ("HMMA", 8),
+               "second contract (scaled.py): constant level-pair table, the block's scale on float32 partials"),
     "t_none8": (_bulk_kernel, lambda: bulk_args("none", 6), 2, ("HMMA", 8),
                 "bulk-copy skeleton with tensor copies, no decode, 8 stages of 1 step, 2 warps"),
     "t_stream8": (_bulk_kernel, lambda: {**bulk_args("none", 6), "MODE": 5}, 2, 1,
