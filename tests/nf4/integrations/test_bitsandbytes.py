@@ -998,3 +998,52 @@ def test_torch_ops_hands_a_new_shape_list_and_the_same_tensors():
     torch.ops.nf4_test_handover.probe.default(a, shape, absmax)
     assert seen["A"] is a and seen["absmax"] is absmax
     assert seen["shapeB"] is not shape and list(seen["shapeB"]) == [5, 6]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_fallback_without_handover_keeps_one_state_per_parts(nf4h, monkeypatch, double_quant):
+    """A compiled forward reaches the fallback without matmul_4bit's handover, with the shape as the new list that
+    torch.ops makes: the state rebuilt from the parts is made once and handed to nf4.dequantize again for the same
+    tensor objects, shape, dtype and blocksize; other tensors (a clone of one of them), another shape or dtype get
+    another state; the results stay bit-exact; and the kept states go with their tensors."""
+    import gc
+    import weakref
+
+    from nf4.integrations import routes
+
+    seed = nf4h.case_seed("bnb-parts-cache", double_quant)
+    packed, state = F.quantize_4bit(nf4h.make_weight((37, 128), torch.float32, seed), blocksize=64,
+                                    compress_statistics=double_quant, quant_type="nf4")
+    state = nf4h.clone_state(state, dtype=torch.bfloat16)
+    a = nf4h.make_weight((3, 128), torch.bfloat16, seed + 1)
+    seen = []
+    real = routes.dequantize
+
+    def spy(B, quant_state, out=None):
+        seen.append(quant_state)
+        return real(B, quant_state, out=out)
+
+    monkeypatch.setattr(routes, "dequantize", spy)
+    route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
+    args, kwargs = _fallback_args(state, a, packed, None)
+    args = (*args[:2], list(args[2]), *args[3:])  # the shape as torch.ops hands it
+    expect = torch.nn.functional.linear(a, F.dequantize_4bit(packed, state))
+    with nf4.patched_bitsandbytes():
+        first, again = route(*args, **kwargs), route(*args, **kwargs)
+        if double_quant:
+            other = route(*args, **{**kwargs, "absmax_code": kwargs["absmax_code"].clone()})
+        else:
+            other = route(args[0], args[1], args[2], args[3].clone(), *args[4:], **kwargs)
+        half = route(a.half(), *args[1:], **kwargs)
+    assert seen[0] is seen[1] and seen[2] is not seen[0] and seen[3] is not seen[0], seen
+    assert seen[3].dtype is torch.float16 and tuple(seen[0].shape) == (37, 128)
+    for got in (first, again, other):
+        assert_bitexact(got, expect)
+    assert half.dtype is torch.float16
+    kept = weakref.ref(args[3])
+    seen.clear()
+    del args, kwargs, state, first, again, other, half, expect
+    monkeypatch.undo()
+    gc.collect()
+    assert kept() is None  # the state kept on the tensor does not keep the tensor alive
