@@ -174,38 +174,6 @@ def _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code,
                       dtype=dtype, offset=absmax_offset, state2=state2)
 
 
-_STATES = "_nf4_states_from_parts"  # the attribute of gemm_4bit's `absmax` tensor that keeps the states made of it
-
-
-def _state_of_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset):
-    """`_state_from_parts`, made once per set of parts: kept on the `absmax` tensor (a dict attribute, so that it
-    goes when the tensor goes: the state refers back to it, a cycle the collector frees) and handed out again only
-    to the same tensor objects, shape, dtype and blocksize. A compiled forward reaches the fallback without
-    matmul_4bit's handover; a new QuantState per call was nf4.dequantize's slow path (its plan is kept per state).
-    nf4.dequantize still checks the state's tensors on every call."""
-    key = (tuple(shape), dtype, blocksize)
-    kept = getattr(absmax, _STATES, None)
-    state = kept.get(key) if isinstance(kept, dict) else None
-    if state is not None:
-        if absmax_8bit is None:
-            same = not state.nested and state.absmax is absmax
-        else:
-            state2 = state.state2
-            same = (state.nested and state.absmax is absmax_8bit and state2.absmax is absmax
-                    and state2.code is absmax_code and state.offset is absmax_offset)
-        if same:
-            return state
-    state = _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset)
-    try:
-        if not isinstance(kept, dict):
-            kept = {}
-            setattr(absmax, _STATES, kept)
-        kept[key] = state
-    except (AttributeError, TypeError):  # a tensor subclass that takes no attributes: no keeping
-        pass
-    return state
-
-
 _calling = threading.local()  # .state: the QuantState of the matmul_4bit call in progress on this thread
 
 
@@ -247,8 +215,8 @@ def route_dequant_linear_fallback(original):
         if (STATE.patches and quant_type == "nf4" and isinstance(B, torch.Tensor) and _nf4_device(B.device)
                 and A.dtype in _OUT_DTYPES):
             state = (_state_of_call(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code, absmax_offset)
-                     or _state_of_parts(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code,
-                                        absmax_offset))
+                     or _state_from_parts(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code,
+                                          absmax_offset))
             weight = torch.empty(shapeB, dtype=A.dtype, device=A.device)
             try:
                 # Into `weight`, never through the return value: B is the (-1, 1) view, and nf4 would
