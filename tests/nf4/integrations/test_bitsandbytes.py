@@ -998,3 +998,29 @@ def test_torch_ops_hands_a_new_shape_list_and_the_same_tensors():
     torch.ops.nf4_test_handover.probe.default(a, shape, absmax)
     assert seen["A"] is a and seen["absmax"] is absmax
     assert seen["shapeB"] is not shape and list(seen["shapeB"]) == [5, 6]
+
+
+@needs_interpreter
+def test_routed_calls_leave_the_state_tensors_as_they_were(nf4h):
+    """After routed fallback calls (the shape as torch.ops hands it), the QuantState's tensors carry no attributes
+    of nf4's and a checkpoint of them saves and loads with weights_only=True (torch.save pickles a tensor's
+    __dict__: a cache kept there would ride into every checkpoint)."""
+    import io
+
+    packed, state = F.quantize_4bit(nf4h.make_weight((37, 128), torch.float32, 5), blocksize=64,
+                                    compress_statistics=True, quant_type="nf4")
+    state = nf4h.clone_state(state, dtype=torch.bfloat16)
+    a = nf4h.make_weight((3, 128), torch.bfloat16, 6)
+    route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
+    args, kwargs = _fallback_args(state, a, packed, None)
+    with nf4.patched_bitsandbytes():
+        for _ in range(2):
+            route(*args[:2], list(args[2]), *args[3:], **kwargs)
+    tensors = {"absmax": state.absmax, "absmax2": state.state2.absmax, "code": state.state2.code,
+               "offset": state.offset, "packed": packed}
+    assert all(not vars(t) for t in tensors.values()), {k: vars(t) for k, t in tensors.items()}
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert all(torch.equal(back[k], t) for k, t in tensors.items())
