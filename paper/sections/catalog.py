@@ -33,7 +33,12 @@ LAB = (("nf4.linear", "nf4.linear"), ("none_fs", "control, no decode"), ("prmt",
 
 def load(doc: Document) -> dict:
     """{"dequant": {gpu tag: payload}, "lab": {gpu tag: payload}}: the files present (each missing one noted)."""
-    out = {"dequant": {}, "lab": {}, "bulk": {}}
+    out = {"dequant": {}, "lab": {}, "bulk": {}, "sass": None}
+    if (doc.results / "labs/sass_sm90.json").exists():  # offline builds: no GPU, one file
+        payload = doc.load("labs/sass_sm90.json", label="experiments.labs.sass_count", required_for="SASS table")
+        out["sass"] = payload if isinstance(payload, dict) else None
+    else:
+        doc.missing.append("results/labs/sass_sm90.json (python -m experiments.labs.sass_count --json ...)")
     for tag, _, label in GPUS:
         name = f"labs/gemv_bulk_{tag}.json"  # a lab run: no note where a GPU has none
         if (doc.results / name).exists():
@@ -93,6 +98,7 @@ def build(doc: Document, data: dict) -> None:
     _figure(doc, dequant)
     _lab(doc, data.get("lab") or {})
     _bulk(doc, data.get("bulk") or {})
+    _sass(doc, data.get("sass"))
 
 
 def _table(doc: Document, sums: dict) -> None:
@@ -200,3 +206,41 @@ def _bulk(doc: Document, bulk: dict) -> None:
                               *[ratio(v[key]) if key in v else NM for key, _, _ in BULK]]))
     lines += [r"\bottomrule", r"\end{tabular}"]
     doc.write("gemv_bulk_table.tex", "\n".join(lines) + "\n")
+
+
+# the offline sm_90 builds in the SASS table, in this order: (build, label)
+SASS = (("baseline", "nf4.linear's GEMV (prmt table)"), ("gemv_pair", "product pair table"),
+        ("s_none", "control, second skeleton"), ("b_none", "control, bulk copies"),
+        ("t_none8", "control, tensor copies"), ("prmt", "prmt table"), ("pair16", "pair table (fp32, 16 copies)"),
+        ("pair16_p4", "pair table, half by prmt"), ("level_prmt", "16-level table, prmt address"),
+        ("t_prmt8", "prmt, tensor copies"), ("scaled", "scaled contract: level pairs"))
+
+
+SASS_BUDGET = 1.25  # issue 34's decode budget: instructions per weight on any one pipe
+
+
+def _sass(doc: Document, payload) -> None:
+    doc.macro("NFsassBudget", ratio(SASS_BUDGET))
+    rows = {r.get("build"): r for r in (payload or {}).get("builds") or [] if isinstance(r, dict) and "error" not in r}
+    for build, stem in (("prmt", "Prmt"), ("pair16", "Pair"), ("scaled", "Scaled")):
+        p = (rows.get(build) or {}).get("per_weight") or {}
+        doc.macro(f"NFsass{stem}Alu", ratio(p.get("alu")) if p else NM)
+        doc.macro(f"NFsass{stem}Imad", ratio(p.get("imad")) if p else NM)
+        doc.macro(f"NFsass{stem}Wavefronts", ratio(p.get("shared_wavefronts")) if p else NM)
+        doc.macro(f"NFsass{stem}Total", ratio(p.get("total")) if p else NM)
+    doc.macro("NFsassTriton", tex((payload or {}).get("environment", {}).get("triton", NM)) if payload else NM)
+    if not rows:
+        doc.write("sass_table.tex", missing_box(r"results/labs/sass\_sm90.json"))
+        return
+    lines = [r"\begin{tabular}{lrrrrrrr}", r"\toprule",
+             row(["kernel (main loop)", "regs", "ALU", "IMAD", "FP32", "shared wavefronts", "LSU", "all"]),
+             r"\midrule"]
+    for build, label in SASS:
+        r = rows.get(build)
+        if not r or label is None:
+            continue
+        p = r["per_weight"]
+        lines.append(row([tex(label), str(r.get("registers", NM)), ratio(p["alu"]), ratio(p["imad"]),
+                          ratio(p["fp32"]), ratio(p["shared_wavefronts"]), ratio(p["lsu"]), ratio(p["total"])]))
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    doc.write("sass_table.tex", "\n".join(lines) + "\n")

@@ -60,3 +60,19 @@ def test_bulk_ratios_use_each_rows_own_run(tmp_path):
     macros = _macros(files)
     assert macros["NFbulkNoneMaxHTwoHundred"] == "2.00" and macros["NFbulkStreamMinHTwoHundred"] == "1.00"
     assert macros["NFbulkPrmtMinHTwoHundred"] == generate.NM
+
+
+def test_sass_table_and_macros(tmp_path):
+    per = {"alu": 0.5, "imad": 1.0, "fp32": 0.25, "shared_wavefronts": 0.75, "lsu": 0.125, "total": 2.5}
+    payload = {"environment": {"triton": "3.9.0"},
+               "builds": [{"build": "scaled", "registers": 96, "per_weight": per},
+                          {"build": "prmt", "error": "did not build"}]}
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / "sass_sm90.json").write_text(json.dumps(payload))
+    files, _ = generate.generate(tmp_path, generate.CLAIMS)
+    macros = dict(re.findall(r"\\newcommand\{\\(NFsass[A-Za-z]+)\}\{(.*)\}", files["macros.tex"]))
+    assert macros["NFsassScaledAlu"] == "0.50" and macros["NFsassScaledWavefronts"] == "0.75"
+    assert macros["NFsassPrmtAlu"] == generate.NM and macros["NFsassBudget"] == "1.25"
+    assert macros["NFsassTriton"] == "3.9.0"
+    assert "scaled contract: level pairs & 96 & 0.50 & 1.00 & 0.25 & 0.75 & 0.12 & 2.50" in files["sass_table.tex"]
+    assert "prmt table" not in files["sass_table.tex"]  # a build that failed has no row
