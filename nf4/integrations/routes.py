@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 
 import torch
 
@@ -174,6 +175,49 @@ def _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code,
                       dtype=dtype, offset=absmax_offset, state2=state2)
 
 
+# id(packed base tensor) -> {parts key: the QuantState made of those parts}; an entry goes with its base tensor (a
+# weakref.finalize), and a state holds the state's tensors, never the packed one, so nothing outlives the weight
+_FROM_PARTS: dict[int, dict] = {}
+_FROM_PARTS_LIMIT = 4096  # packed weights kept at most (then the dict starts again, as nf4's RepeatCache does)
+
+
+def _state_of_parts(B, shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset):
+    """`_state_from_parts`, made once per set of parts for a packed weight that gemm_4bit receives as a view (the
+    transposed Parameter of Linear4bit.forward): kept by the view's base tensor and handed out again only for the
+    same tensor objects, shape, dtype and blocksize. A compiled forward reaches the fallback without matmul_4bit's
+    handover, and a new QuantState per call is nf4.dequantize's slow path (its repeat-call plan is kept per
+    QuantState). nf4.dequantize still checks the state's tensors on every call. Nothing is kept on any tensor
+    (torch.save pickles a tensor's __dict__)."""
+    base = B._base
+    if base is None:  # not a view: no lasting object to keep the state by
+        return _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset)
+    key = (tuple(shape), dtype, blocksize, id(absmax), id(absmax_8bit), id(absmax_code), id(absmax_offset))
+    kept = _FROM_PARTS.get(id(base))
+    state = kept.get(key) if kept is not None else None
+    if state is not None:
+        if absmax_8bit is None:
+            same = not state.nested and state.absmax is absmax
+        else:
+            state2 = state.state2
+            same = (state.nested and state.absmax is absmax_8bit and state2.absmax is absmax
+                    and state2.code is absmax_code and state.offset is absmax_offset)
+        if same:
+            return state
+    state = _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset)
+    if kept is None:
+        if len(_FROM_PARTS) >= _FROM_PARTS_LIMIT:
+            _FROM_PARTS.clear()
+        try:
+            weakref.finalize(base, _FROM_PARTS.pop, id(base), None)
+        except TypeError:  # a base that takes no weak references: its id may be reused, so keep nothing
+            return state
+        kept = _FROM_PARTS[id(base)] = {}
+    if len(kept) >= 8:  # a weight dequantized to many dtypes or with many states: start again
+        kept.clear()
+    kept[key] = state
+    return state
+
+
 _calling = threading.local()  # .state: the QuantState of the matmul_4bit call in progress on this thread
 
 
@@ -215,8 +259,8 @@ def route_dequant_linear_fallback(original):
         if (STATE.patches and quant_type == "nf4" and isinstance(B, torch.Tensor) and _nf4_device(B.device)
                 and A.dtype in _OUT_DTYPES):
             state = (_state_of_call(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code, absmax_offset)
-                     or _state_from_parts(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code,
-                                          absmax_offset))
+                     or _state_of_parts(B, shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code,
+                                        absmax_offset))
             weight = torch.empty(shapeB, dtype=A.dtype, device=A.device)
             try:
                 # Into `weight`, never through the return value: B is the (-1, 1) view, and nf4 would

@@ -1024,3 +1024,49 @@ def test_routed_calls_leave_the_state_tensors_as_they_were(nf4h):
     buf.seek(0)
     back = torch.load(buf, weights_only=True)
     assert all(torch.equal(back[k], t) for k, t in tensors.items())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_fallback_without_handover_makes_one_state_per_parts(nf4h, double_quant):
+    """A compiled forward reaches the fallback without matmul_4bit's handover, with the shape as the new list that
+    torch.ops makes: the state rebuilt from the parts of a packed view is made once and kept by the view's base
+    (one state per parts key: a second call adds none and keeps the same object); other tensors (a clone of one) or
+    another dtype get another state, a packed tensor that is no view none; the results stay bit-exact; and nothing
+    outlives the packed weight (the kept state and its tensors go with it)."""
+    import gc
+    import weakref
+
+    from nf4.integrations import routes
+
+    seed = nf4h.case_seed("bnb-parts-cache", double_quant)
+    packed, state = F.quantize_4bit(nf4h.make_weight((37, 128), torch.float32, seed), blocksize=64,
+                                    compress_statistics=double_quant, quant_type="nf4")
+    state = nf4h.clone_state(state, dtype=torch.bfloat16)
+    a = nf4h.make_weight((3, 128), torch.bfloat16, seed + 1)
+    route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
+    args, kwargs = _fallback_args(state, a, packed, None)  # B is packed.view(-1, 1): a view, as gemm_4bit gets
+    args = (*args[:2], list(args[2]), *args[3:])  # the shape as torch.ops hands it
+    root = packed if packed._base is None else packed._base  # what the view's _base names
+    expect = torch.nn.functional.linear(a, F.dequantize_4bit(packed, state))
+    with nf4.patched_bitsandbytes():
+        first = route(*args, **kwargs)
+        (made,) = routes._FROM_PARTS[id(root)].values()
+        again = route(*args, **kwargs)
+        assert list(routes._FROM_PARTS[id(root)].values()) == [made]  # the same state, none added
+        assert tuple(made.shape) == (37, 128) and made.dtype is torch.bfloat16
+        if double_quant:
+            other = route(*args, **{**kwargs, "absmax_code": kwargs["absmax_code"].clone()})
+        else:
+            other = route(args[0], args[1], args[2], args[3].clone(), *args[4:], **kwargs)
+        half = route(a.half(), *args[1:], **kwargs)
+        assert len(routes._FROM_PARTS[id(root)]) == 3
+        plain = route(args[0], packed.reshape(-1, 1).clone(), *args[2:], **kwargs)  # no view: nothing kept
+        assert len(routes._FROM_PARTS[id(root)]) == 3
+    for got in (first, again, other, plain):
+        assert_bitexact(got, expect)
+    assert half.dtype is torch.float16
+    kept_tensor, key = weakref.ref(args[3]), id(root)
+    del args, kwargs, state, packed, root, made, first, again, other, half, plain, expect
+    gc.collect()
+    assert key not in routes._FROM_PARTS and kept_tensor() is None
