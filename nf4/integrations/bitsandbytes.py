@@ -42,7 +42,9 @@ What is patched (bitsandbytes 0.50.2), and why:
   dequantizes with the state itself rather than one rebuilt from its parts (the same tensors, so the
   same bits), so nf4.dequantize's repeat-call plan, kept per QuantState object, serves the forward of a
   training step as it serves the backward (the host time of a new QuantState per call, measured about
-  100 us on an H100, was what the fallback paid before).
+  100 us on an H100, was what the fallback paid before). gemm_4bit's shape arrives through torch.ops as a new
+  list, so it is compared by value. Where no call hands its state over (a compiled forward), the state made of
+  the parts is kept per packed weight (`routes._state_of_parts`) and made again only for other parts.
 * Opt-in, `patch_bitsandbytes(fused_linear=True)`: also routes `bitsandbytes.matmul_4bit` itself. A call
   with an NF4 QuantState in [N, K] orientation, fp16 or bf16 x of M rows on a CUDA GPU (or the CPU with
   the interpreter), M within the GPU's measured limit (`nf4.integrations.routes.routes_matmul_4bit`: the rows
