@@ -87,7 +87,7 @@ def _fill(lev_ptr, THREADS: tl.constexpr):
         idx = r * THREADS + i
         e = idx // _COPIES
         addr = base + (e * (4 * _COPIES) + (idx % _COPIES) * 4).to(tl.uint32)
-        pair = (tl.load(lev_ptr + (e >> 4)) | (tl.load(lev_ptr + (e & 15)) << 16)).to(tl.uint32)
+        pair = (tl.load(lev_ptr + (e >> 4)) | (tl.load(lev_ptr + (e & 15)) << 16)).to(tl.uint32, bitcast=True)
         done |= tl.inline_asm_elementwise(ST_B32, "=r,r,r", [addr, pair], dtype=tl.uint32, is_pure=False, pack=1)
     tl.debug_barrier()
     return base + done
@@ -154,7 +154,7 @@ def lab_scaled_kernel(
         jw = c // 4 + 2 * t  # the lane's first word of the step (block 0); block b is 8 words on
         pa = wa + jw
         pb = wb + jw
-        px = xr + jw
+        px = xr + 4 * jw  # x's word i holds elements 2i, 2i + 1: the packed byte i's pair
         # lane t makes the absmax of the step's block t of rows a and b; the 4 lanes of a row pass them round
         mine_a = absmax_of_block(ra * KB32 + c // 32 + t, always, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                                  True, FTZ, True)
@@ -167,12 +167,12 @@ def lab_scaled_kernel(
             amax_b = _from_lane(mine_b, group + b)
             pa0, pa1, pa2, pa3 = _lookup(a0, X, m16, m8, one, mh, m3, lanebase)
             pb0, pb1, pb2, pb3 = _lookup(b0, X, m16, m8, one, mh, m3, lanebase)
-            x0, x1, x2, x3 = K.load_v4_if(px + 8 * b, xok)
+            x0, x1, x2, x3 = K.load_v4_if(px + 32 * b, xok)
             d0, d1, d2, d3 = mma_16x8x16(pa0, pb0, pa1, pb1, x0, x1, zero, zero, zero, zero, X_DT)
             d0, d1, d2, d3 = mma_16x8x16(pa2, pb2, pa3, pb3, x2, x3, d0, d1, d2, d3, X_DT)
             qa0, qa1, qa2, qa3 = _lookup(a1, X, m16, m8, one, mh, m3, lanebase)
             qb0, qb1, qb2, qb3 = _lookup(b1, X, m16, m8, one, mh, m3, lanebase)
-            y0, y1, y2, y3 = K.load_v4_if(px + 8 * b + 4, xok)
+            y0, y1, y2, y3 = K.load_v4_if(px + 32 * b + 4, xok)
             d0, d1, d2, d3 = mma_16x8x16(qa0, qb0, qa1, qb1, y0, y1, d0, d1, d2, d3, X_DT)
             d0, d1, d2, d3 = mma_16x8x16(qa2, qb2, qa3, qb3, y2, y3, d0, d1, d2, d3, X_DT)
             t0 = t0 + amax_a * d0

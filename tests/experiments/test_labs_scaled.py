@@ -141,3 +141,84 @@ def test_check_accepts_the_model_and_refuses_a_perturbed_output():
     y[1, 7] = y[1, 7] + 0.01 * y.float().abs().max()
     r = scaled.check(y, x, packed, qs)
     assert r["beyond"] == 1 and r["max_err_over_bound"] > 1
+
+
+def _simulate(x, packed, absmax, n, k, warps=2, split=2, x_dtype="bf16"):
+    """The kernel's arithmetic followed index by index in float64 (NumPy): programs, warps, lanes 4g + t, steps,
+    blocks, the lane's two words, the SHFL of block b's absmax from lane 4g + b, the PTX m16n8k16 fragments (A: a0
+    row g cols 2t, 2t + 1; a1 row g + 8; a2 / a3 the same at cols 2t + 8, 2t + 9; B: b0 rows 2t, 2t + 1, b1 rows
+    2t + 8, 2t + 9 of column g; D: rows g / g + 8, cols 2t, 2t + 1), the stores and the split-K sum. Indices as the
+    kernel writes them: a slip there shows here as a mismatch with the model."""
+    levels, _ = scaled.rounded_levels(x_dtype)
+    m_rows = x.shape[0]
+    kb = k // 2
+    words = packed.view(np.uint32).reshape(n, kb // 4)
+    xw = x.reshape(m_rows, kb, 2)  # x's word i: elements 2i, 2i + 1
+    threads = 32 * warps
+    rows = -(-n // (threads // 2))
+    steps = kb // 128
+    seg = -(-steps // split) * 128
+    split = -(-kb // seg)
+    part = np.zeros((split, m_rows, n))
+
+    def pairs(word):  # the lookup: pair p = (L[byte p >> 4], L[byte p & 15])
+        return [(levels[(int(word) >> (8 * p + 4)) & 15], levels[(int(word) >> (8 * p)) & 15]) for p in range(4)]
+
+    for pid in range(rows * split):
+        rblk, pid_k = divmod(pid, split)
+        first, end = pid_k * seg, min(pid_k * seg + seg, kb)
+        for w in range(warps):
+            tot = np.zeros((32, 4))
+            for c in range(first, end, 128):
+                lanes = []
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    row_a = rblk * (threads // 2) + w * 16 + g
+                    lanes.append((g, t, min(row_a, n - 1), min(row_a + 8, n - 1)))
+                for b in range(4):
+                    # lane t makes block t of its rows; every lane reads block b's from lane 4g + b (SHFL)
+                    amax = [(absmax[lanes[4 * g + b][2], c // 32 + b], absmax[lanes[4 * g + b][3], c // 32 + b])
+                            for g, _, _, _ in lanes]
+                    d = np.zeros((16, 8))
+                    for word in range(2):
+                        for half in range(2):
+                            A, B = np.zeros((16, 16)), np.zeros((16, 8))
+                            for g, t, ra, rb in lanes:
+                                jw = c // 4 + 2 * t + 8 * b + word  # the lane's word
+                                pa, pb = pairs(words[ra, jw]), pairs(words[rb, jw])
+                                xi = 4 * (c // 4 + 2 * t) + 32 * b + 4 * word  # x words of this packed word
+                                xr = min(g, m_rows - 1)
+                                xs = [xw[xr, xi + q] if g < m_rows else (np.nan, np.nan) for q in range(4)]
+                                p0, p1 = 2 * half, 2 * half + 1  # mma of pairs (0, 1) then (2, 3)
+                                A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = pa[p0], pb[p0]
+                                A[g, 2 * t + 8:2 * t + 10], A[g + 8, 2 * t + 8:2 * t + 10] = pa[p1], pb[p1]
+                                B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g] = xs[p0], xs[p1]
+                            with np.errstate(invalid="ignore"):
+                                d = d + A @ B
+                    for lane, (g, t, _, _) in enumerate(lanes):
+                        aa, ab = amax[lane]
+                        tot[lane] += (aa * d[g, 2 * t], aa * d[g, 2 * t + 1], ab * d[g + 8, 2 * t],
+                                      ab * d[g + 8, 2 * t + 1])
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                row_a = rblk * (threads // 2) + w * 16 + g
+                for r, m, v in ((row_a, 2 * t, tot[lane, 0]), (row_a, 2 * t + 1, tot[lane, 1]),
+                                (row_a + 8, 2 * t, tot[lane, 2]), (row_a + 8, 2 * t + 1, tot[lane, 3])):
+                    if r < n and m < m_rows:
+                        part[pid_k, m, r] = v
+    return part.sum(axis=0)
+
+
+@pytest.mark.parametrize("m, n", [(1, 64), (3, 70), (8, 32)])
+def test_the_kernels_index_math_computes_the_contract(m, n):
+    """Following the kernel's indices (programs, lanes, blocks, fragments, SHFL, stores, split-K) gives the model's
+    y: every weight meets its own x element and its own block's absmax once. Rows past N and x rows past M too."""
+    k = 512
+    rng = np.random.default_rng(m * 100 + n)
+    packed = rng.integers(0, 256, n * k // 2, dtype=np.uint8)
+    x = rng.standard_normal((m, k))
+    absmax = rng.uniform(0.1, 2.0, (n, k // 64))
+    q = packed.reshape(n, k // 2)
+    codes = np.stack([q >> 4, q & 15], axis=2).reshape(n, k)
+    got = _simulate(x, packed, absmax, n, k)
+    assert np.allclose(got, scaled.model(x, codes, absmax, "bf16"), rtol=1e-10, atol=1e-10)
