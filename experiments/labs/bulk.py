@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import kernels as K
-from .stream import PLANS, _amax, _out, buffer, last_program_sums, occupancy, plan_of  # noqa: F401 (plan_of)
+from .stream import PLANS, _amax, _out, last_program_sums, occupancy, plan_of, scratch  # noqa: F401 (plan_of)
 from .stream import plan as stream_plan
 
 STEP = tl.constexpr(128)
@@ -521,9 +521,7 @@ def linear(x, packed, qs, candidate: str):
     def launch(split, seg, partial):
         grid = triton.cdiv(n, 16 * warps) * split
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        part = buffer(("part", split, m, n, x.device), lambda: torch.empty((split, m, n), dtype=torch.float32,
-                                                                           device=x.device))
-        lock = buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
+        part, lock = scratch(split, m, n, x.device)
         compiled = lab_bulk_kernel[(grid,)](
             x, packed, tmap, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part,
             lock, m, n, k // 2, split, seg, 1,

@@ -337,6 +337,17 @@ def buffer(key, make):
     return _BUFFERS[key]
 
 
+def scratch(split: int, m: int, n: int, device):
+    """The split-K skeletons' scratch: float32 partials [split, m, n] and the row blocks' counters (zeros that the
+    last program of each row block resets), kept per shape and device."""
+    import torch
+
+    part = buffer(("part", split, m, n, device), lambda: torch.empty((split, m, n), dtype=torch.float32,
+                                                                     device=device))
+    lock = buffer(("lock", device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=device))
+    return part, lock
+
+
 def linear(x, packed, qs, candidate: str, p: dict | None = None):
     """x @ W^T by a candidate of this skeleton (same contract as experiments.labs.gemv_lut.lab_linear); the plan
     comes from the occupancy of the kernel compiled for it (the first call compiles with split 1)."""
@@ -354,9 +365,7 @@ def linear(x, packed, qs, candidate: str, p: dict | None = None):
     def launch(split, seg, partial):
         grid = triton.cdiv(n, 16 * warps) * split
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        part = buffer(("part", split, m, n, x.device), lambda: torch.empty((split, m, n), dtype=torch.float32,
-                                                                           device=x.device))
-        lock = buffer(("lock", x.device), lambda: torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
+        part, lock = scratch(split, m, n, x.device)
         compiled = lab_gemv2_kernel[(grid,)](
             x, packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, K.levels(x.device), out, part, lock,
             m, n, k // 2, split, seg, 1,
