@@ -175,6 +175,16 @@ def _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code,
                       dtype=dtype, offset=absmax_offset, state2=state2)
 
 
+def _holds(state, absmax, absmax_8bit, absmax_code, absmax_offset) -> bool:
+    """Whether `state` is made of exactly these gemm_4bit tensors (nested: absmax_8bit the state's absmax, absmax
+    state2's float32 scales; by identity)."""
+    if absmax_8bit is None:
+        return not state.nested and state.absmax is absmax
+    state2 = state.state2
+    return (state.nested and state2 is not None and state2.blocksize == 256 and state.absmax is absmax_8bit
+            and state2.absmax is absmax and state2.code is absmax_code and state.offset is absmax_offset)
+
+
 # id(packed base tensor) -> {parts key: the QuantState made of those parts}; an entry goes with its base tensor (a
 # weakref.finalize), and a state holds the state's tensors, never the packed one, so nothing outlives the weight
 _FROM_PARTS: dict[int, dict] = {}
@@ -194,15 +204,8 @@ def _state_of_parts(B, shape, absmax, blocksize, dtype, absmax_8bit, absmax_code
     key = (tuple(shape), dtype, blocksize, id(absmax), id(absmax_8bit), id(absmax_code), id(absmax_offset))
     kept = _FROM_PARTS.get(id(base))
     state = kept.get(key) if kept is not None else None
-    if state is not None:
-        if absmax_8bit is None:
-            same = not state.nested and state.absmax is absmax
-        else:
-            state2 = state.state2
-            same = (state.nested and state.absmax is absmax_8bit and state2.absmax is absmax
-                    and state2.code is absmax_code and state.offset is absmax_offset)
-        if same:
-            return state
+    if state is not None and _holds(state, absmax, absmax_8bit, absmax_code, absmax_offset):
+        return state
     state = _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset)
     if kept is None:
         if len(_FROM_PARTS) >= _FROM_PARTS_LIMIT:
@@ -232,13 +235,7 @@ def _state_of_call(shapeB, absmax, blocksize, dtype, absmax_8bit, absmax_code, a
     if (state is None or state.dtype is not dtype or state.blocksize != blocksize
             or tuple(state.shape) != tuple(shapeB)):
         return None
-    if absmax_8bit is None:
-        return state if not state.nested and state.absmax is absmax else None
-    state2 = state.state2
-    if (state.nested and state2 is not None and state2.blocksize == 256 and state.absmax is absmax_8bit
-            and state2.absmax is absmax and state2.code is absmax_code and state.offset is absmax_offset):
-        return state
-    return None
+    return state if _holds(state, absmax, absmax_8bit, absmax_code, absmax_offset) else None
 
 
 def route_dequant_linear_fallback(original):
