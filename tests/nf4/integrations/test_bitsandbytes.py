@@ -1070,3 +1070,33 @@ def test_fallback_without_handover_makes_one_state_per_parts(nf4h, double_quant)
     del args, kwargs, state, packed, root, made, first, again, other, half, plain, expect
     gc.collect()
     assert key not in routes._FROM_PARTS and kept_tensor() is None
+
+
+@needs_interpreter
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_kept_state_after_an_in_place_change_gives_fresh_bits(nf4h, double_quant):
+    """The state kept per packed weight is the same object after its tensors change in place (same identities):
+    nf4.dequantize's own check sees the new versions, so the next routed call gives the bits of the changed
+    state, as bitsandbytes' dequantize + F.linear of it does."""
+    from nf4.integrations import routes
+
+    seed = nf4h.case_seed("bnb-parts-inplace", double_quant)
+    packed, state = F.quantize_4bit(nf4h.make_weight((37, 128), torch.float32, seed), blocksize=64,
+                                    compress_statistics=double_quant, quant_type="nf4")
+    state = nf4h.clone_state(state, dtype=torch.bfloat16)
+    a = nf4h.make_weight((3, 128), torch.bfloat16, seed + 1)
+    route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
+    args, kwargs = _fallback_args(state, a, packed, None)
+    args = (*args[:2], list(args[2]), *args[3:])
+    root = packed if packed._base is None else packed._base
+    with nf4.patched_bitsandbytes():
+        route(*args, **kwargs)
+        route(*args, **kwargs)  # (on a GPU the second call binds nf4.dequantize's repeat launch)
+        (made,) = routes._FROM_PARTS[id(root)].values()
+        if double_quant:
+            state.offset.mul_(0.5)  # in place: the same tensor objects
+        else:
+            state.absmax.mul_(2.0)
+        got = route(*args, **kwargs)
+        assert list(routes._FROM_PARTS[id(root)].values()) == [made]
+    assert_bitexact(got, torch.nn.functional.linear(a, F.dequantize_4bit(packed, state)))
