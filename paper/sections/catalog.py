@@ -26,7 +26,7 @@ BULK = (("nf4.linear", "nf4.linear", "Product"), ("t_stream4x2", "TMA stream", "
         ("t_absmax4x2", "+ absmax", "Absmax"), ("t_none4x2_nox", "+ products, x fixed", "Nox"),
         ("t_none4x2", "+ x, every lane", "None"), ("t_none4x2_xp", "x, real rows", "Xp"),
         ("t_prmt4x2_xp", "prmt decode", "Prmt"), ("none_fs_xp", "first control, x real rows", "FirstXp"),
-        ("pair16_fs_xp", "first, pair table", "FirstPair"))
+        ("pair16_fs_xp", "first, pair table", "FirstPair"), ("sc_w4", "scaled contract", "Scaled"))
 LAB = (("nf4.linear", "nf4.linear"), ("none_fs", "control, no decode"), ("prmt", "prmt table"),
        ("pair16_fs", "pair table"), ("d_none", "deep control"), ("d_pair16", "deep pair"))
 
@@ -190,6 +190,12 @@ def _bulk(doc: Document, bulk: dict) -> None:
             vals = [v[key] for v in big if key in v]
             doc.macro(f"NFbulk{stem}Min{g}", ratio(min(vals)) if vals else NM)
             doc.macro(f"NFbulk{stem}Max{g}", ratio(max(vals)) if vals else NM)
+        errs = [r["contract"]["max_err_over_bound"] for r in (bulk.get(tag) or {}).get("rows") or []
+                if isinstance(r, dict) and isinstance(r.get("contract"), dict)]
+        beyond = sum(r["contract"].get("beyond", 0) for r in (bulk.get(tag) or {}).get("rows") or []
+                     if isinstance(r, dict) and isinstance(r.get("contract"), dict))
+        doc.macro(f"NFbulkScaledErr{g}", f"{max(errs):.2f}" if errs else NM)
+        doc.macro(f"NFbulkScaledBeyond{g}", integer(beyond) if errs else NM)
     if not bulk:
         doc.write("gemv_bulk_table.tex", missing_box(r"results/labs/gemv\_bulk\_<gpu>.json"))
         return
