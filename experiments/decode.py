@@ -34,7 +34,8 @@ runs after one warm-up. Decode: `ms_per_token` is ms per step (one token for eac
 is the phase's total. `linear_share`: one more run under torch.profiler (CUDA activity): the device time of the
 4-bit linear's kernels (names containing "nf4_", or bitsandbytes' kDequantize* / *gemm_4bit*) over all kernels' (None
 in dense mode, and where the profiler saw no kernel, e.g. inside CUDA-graph replays on some versions; the cuBLAS
-GEMM after a dequantization is not counted). `token_agreement`: the fraction of generated tokens (the prompt's
+GEMM after a dequantization is not counted); `top_kernels`: the same run's ten kernels with the most device time
+(name, us; every mode, dense included). `token_agreement`: the fraction of generated tokens (the prompt's
 next token and every decoded one, all sequences) equal to bitsandbytes alone's at the same (model, compiled,
 batch); 1.0 for bnb itself, filled in on the dense rows once bnb has run (their printed line says n/a); prefill rows
 have None. Decode rows also carry `routed`: the bitsandbytes calls nf4 routed during the whole unit (prefill, decode,
@@ -69,6 +70,7 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 LINEAR_KERNEL = re.compile(r"nf4_|kDequantize|gemm_4bit")
 TINY_DIMS = {"hidden_size": 64, "intermediate_size": 128, "heads": 4, "kv_heads": 2, "head_dim": 16}
 PROFILE_STEPS = 8
+TOP_KERNELS = 10  # kernels kept per profiled row (`top_kernels`)
 
 
 # --- pure helpers (tested on the CPU) -------------------------------------------------------------
@@ -430,29 +432,40 @@ def run_batch(model, *, key: str, layers: int, mode: str, compiled: bool, batch:
 
         for p in prefills:
             times = [do_prefill(p)[0] for _ in range(reps + 1)][1:]
-            share = _profile(lambda p=p: do_prefill(p), cuda) if mode != "dense" else None
+            share, top = _profile(lambda p=p: do_prefill(p), cuda, mode != "dense")
             emit(make_row(**base, **info["prefill"], phase="prefill", prompt_tokens=p,
-                          **timing_fields("prefill", batch, p, statistics.median(times)), linear_share=share))
+                          **timing_fields("prefill", batch, p, statistics.median(times)), linear_share=share,
+                          top_kernels=top))
         runs = [do_decode(tokens) for _ in range(reps + 1)][1:]
         generated = runs[-1][1].tolist()
-        share = _profile(lambda: do_decode(min(tokens, PROFILE_STEPS)), cuda) if mode != "dense" else None
+        share, top = _profile(lambda: do_decode(min(tokens, PROFILE_STEPS)), cuda, mode != "dense")
         row = make_row(**base, **info["decode"], phase="decode", prompt_tokens=prefills[0], decode_tokens=tokens,
                        **timing_fields("decode", batch, tokens, statistics.median(r[0] for r in runs)),
-                       linear_share=share, deterministic=all(r[1].tolist() == generated for r in runs))
+                       linear_share=share, deterministic=all(r[1].tolist() == generated for r in runs),
+                       top_kernels=top)
     return row, generated
 
 
-def _profile(fn, cuda: bool) -> float | None:
-    """linear_share of one call of fn under torch.profiler's CUDA activity (None without CUDA)."""
+def _profile(fn, cuda: bool, share: bool) -> tuple:
+    """(linear_share where `share`, else None; the TOP_KERNELS kernels with the most device time as [name, us])
+    of one call of fn under torch.profiler's CUDA activity ((None, None) without CUDA)."""
     if not cuda:
-        return None
+        return None, None
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return linear_share(_kernel_times(prof))
+    kernels = _kernel_times(prof)
+    return linear_share(kernels) if share else None, top_kernels(kernels)
+
+
+def top_kernels(kernels, count: int = 0) -> list:
+    """The `count` (default TOP_KERNELS) kernels with the most device time, most first: [name (cut to 120
+    characters), us rounded to 0.1]."""
+    ranked = sorted(((name, float(t)) for name, t in kernels), key=lambda kt: -kt[1])
+    return [[name[:120], round(t, 1)] for name, t in ranked[:count or TOP_KERNELS]]
 
 
 # --- the command ----------------------------------------------------------------------------------

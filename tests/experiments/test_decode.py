@@ -133,6 +133,14 @@ def test_token_agreement():
         decode.token_agreement([[1, 2]], [[1, 2, 3]])
 
 
+def test_top_kernels():
+    kernels = [("a", 1.0), ("nf4_gemv_mma_kernel" + "x" * 200, 7.04), ("b", 3.0), ("c", 3.0)]
+    top = decode.top_kernels(kernels, 3)
+    assert top == [["nf4_gemv_mma_kernel" + "x" * 101, 7.0], ["b", 3.0], ["c", 3.0]]
+    assert len(decode.top_kernels([(str(i), i) for i in range(30)])) == decode.TOP_KERNELS
+    assert decode.top_kernels([]) == []
+
+
 def test_linear_share():
     kernels = [("nf4_gemm_word_kernel", 30.0), ("void kgemm_4bit_inference_naive<...>", 10.0),
                ("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>", 5.0),
