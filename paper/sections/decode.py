@@ -16,6 +16,7 @@ from paper.sections.linear import GPUS
 
 MODES = (("dense", "dense bf16"), ("bnb", "bitsandbytes alone"), ("nf4", r"nf4 patched"),
          ("nf4-fused", r"nf4, \code{fused\_linear}"))
+MODELS = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B"}
 BAR = 2.0  # the compiled decode's bar at batch 1, over dense bf16 and over bitsandbytes alone
 
 
@@ -64,10 +65,26 @@ def summary(payload: dict) -> list[dict]:
     return out
 
 
+def prefill(payload: dict) -> dict:
+    """{(model, batch, mode, compiled): ms per token} of the prefill rows that ran, at the first prompt length."""
+    rows = [r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("phase") == "prefill"
+            and not r.get("error") and r.get("ms_per_token")]
+    out = {}
+    for r in rows:
+        out.setdefault((r.get("model"), r.get("batch"), r.get("mode"), bool(r.get("compiled"))), r["ms_per_token"])
+    return out
+
+
 def build(doc: Document, data: dict) -> None:
     doc.macro("NFdecodeBar", ratio(BAR))
     sums = {tag: summary(p) for tag, p in data.items()}
     for tag, g, _ in GPUS:
+        pre = prefill(data[tag]) if tag in data else {}
+        for mode, stem in (("nf4", "Plain"), ("nf4-fused", "Fused")):
+            for compiled, when in ((False, "Eager"), (True, "Compiled")):
+                bnb, ours = (pre.get(("llama3-8b", 1, m, compiled)) for m in ("bnb", mode))
+                # bitsandbytes' prefill time over nf4's: above 1, nf4 is faster
+                doc.macro(f"NFprefill{stem}VsBnb{when}{g}", ratio(bnb / ours) if bnb and ours else NM)
         fused = next((s for s in sums.get(tag) or [] if s["mode"] == "nf4-fused" and s["batch"] == 1), None)
         doc.macro(f"NFdecodeFusedVsDense{g}", ratio(fused["vs_dense"]) if fused and fused["vs_dense"] else NM)
         doc.macro(f"NFdecodeFusedVsBnb{g}", ratio(fused["vs_bnb"]) if fused and fused["vs_bnb"] else NM)
@@ -79,12 +96,12 @@ def build(doc: Document, data: dict) -> None:
         doc.write("decode_table.tex", missing_box(r"results/decode/decode\_<gpu>.json (\texttt{python -m experiments "
                                                   r"decode} on a GPU)"))
         return
-    lines = [r"\begin{tabular}{lllrrrrrl}", r"\toprule",
-             row(["GPU", "batch", "mode", "eager ms/token", "compiled ms/token", "vs dense", "vs bnb",
+    lines = [r"\begin{tabular}{llllrrrrrl}", r"\toprule",
+             row(["GPU", "model", "batch", "mode", "eager ms/token", "compiled ms/token", "vs dense", "vs bnb",
                   r"4-bit linear (\%)", "full graph"]), r"\midrule"]
     for tag, _, label in GPUS:
         for s in sums.get(tag) or []:
-            lines.append(row([label, str(s["batch"]), dict(MODES).get(s["mode"], tex(s["mode"])),
+            lines.append(row([label, tex(MODELS.get(s["model"], s["model"])), str(s["batch"]), dict(MODES).get(s["mode"], tex(s["mode"])),
                               num(s["eager_ms"], 2) if s["eager_ms"] else NM,
                               num(s["compiled_ms"], 2) if s["compiled_ms"] else NM,
                               ratio(s["vs_dense"]) if s["vs_dense"] else NM,
