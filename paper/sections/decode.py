@@ -101,7 +101,8 @@ def build(doc: Document, data: dict) -> None:
                   r"4-bit linear (\%)", "full graph"]), r"\midrule"]
     for tag, _, label in GPUS:
         for s in sums.get(tag) or []:
-            lines.append(row([label, tex(MODELS.get(s["model"], s["model"])), str(s["batch"]), dict(MODES).get(s["mode"], tex(s["mode"])),
+            model = tex(MODELS.get(s["model"], s["model"]))
+            lines.append(row([label, model, str(s["batch"]), dict(MODES).get(s["mode"], tex(s["mode"])),
                               num(s["eager_ms"], 2) if s["eager_ms"] else NM,
                               num(s["compiled_ms"], 2) if s["compiled_ms"] else NM,
                               ratio(s["vs_dense"]) if s["vs_dense"] else NM,

@@ -43,7 +43,7 @@ def test_macros_and_table(tmp_path):
     assert macros["NFdecodeFusedMsHTwoHundred"] == "4.00" and macros["NFdecodeFusedLinearShareHTwoHundred"] == "55.0"
     assert macros["NFdecodeFusedVsDenseHOneHundred"] == generate.NM
     assert any("decode_h100.json" in m for m in missing)
-    want = "H200 & 1 & nf4, \\code{fused\\_linear} & 29.00 & 4.00 & 1.50 & 1.25 & 55.0 & yes"
+    want = "H200 & Llama-3-8B & 1 & nf4, \\code{fused\\_linear} & 29.00 & 4.00 & 1.50 & 1.25 & 55.0 & yes"
     assert want in files["decode_table.tex"]
 
 
@@ -76,3 +76,13 @@ def test_sass_table_and_macros(tmp_path):
     assert macros["NFsassTriton"] == "3.9.0"
     assert "scaled contract: level pairs & 96 & 0.50 & 1.00 & 0.25 & 0.75 & 0.12 & 2.50" in files["sass_table.tex"]
     assert "prmt table" not in files["sass_table.tex"]  # a build that failed has no row
+
+
+def test_prefill_macros_are_bitsandbytes_time_over_nf4s():
+    from paper.sections import decode
+
+    rows = [{"model": "llama3-8b", "batch": 1, "mode": m, "compiled": c, "phase": "prefill", "ms_per_token": ms}
+            for m, c, ms in (("bnb", False, 0.1), ("nf4", False, 0.2), ("bnb", True, 0.06), ("nf4", True, 0.05),
+                             ("bnb", True, 9.0))]  # a second prompt length: the first row of a key counts
+    pre = decode.prefill({"rows": rows})
+    assert pre[("llama3-8b", 1, "nf4", False)] == 0.2 and pre[("llama3-8b", 1, "bnb", True)] == 0.06
