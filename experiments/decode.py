@@ -35,7 +35,8 @@ is the phase's total. `linear_share`: one more run under torch.profiler (CUDA ac
 4-bit linear's kernels (names containing "nf4_", or bitsandbytes' kDequantize* / *gemm_4bit*) over all kernels' (None
 in dense mode, and where the profiler saw no kernel, e.g. inside CUDA-graph replays on some versions; the cuBLAS
 GEMM after a dequantization is not counted); `top_kernels`: the same run's ten kernels with the most device time
-(name, us; every mode, dense included). `token_agreement`: the fraction of generated tokens (the prompt's
+(name, us; every mode, dense included), after the sum over all its kernels, named "(all kernels)": beside the
+phase's wall time it tells device time from host time. `token_agreement`: the fraction of generated tokens (the prompt's
 next token and every decoded one, all sequences) equal to bitsandbytes alone's at the same (model, compiled,
 batch); 1.0 for bnb itself, filled in on the dense rows once bnb has run (their printed line says n/a); prefill rows
 have None. Decode rows also carry `routed`: the bitsandbytes calls nf4 routed during the whole unit (prefill, decode,
@@ -458,7 +459,8 @@ def _profile(fn, cuda: bool, share: bool) -> tuple:
         fn()
         torch.cuda.synchronize()
     kernels = _kernel_times(prof)
-    return linear_share(kernels) if share else None, top_kernels(kernels)
+    top = top_kernels(kernels)
+    return linear_share(kernels) if share else None, [["(all kernels)", round(sum(t for _, t in kernels), 1)], *top]
 
 
 def top_kernels(kernels, count: int = 0) -> list:
