@@ -48,6 +48,7 @@ from paper.sections import (
     codebook,
     decode,
     experiments,
+    fsdp,
     gemm_limit,
     gemv_limit,
     known,
@@ -93,6 +94,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/linear/ncu/", ncu.build, ncu.load(doc), ncu.load_sweep(doc))
     doc.section("results/qlora_<gpu>.json", qlora.build, qlora.load(doc))
     doc.section("results/decode/decode_<gpu>.json", decode.build, decode.load(doc))
+    doc.section("results/fsdp/fsdp_qlora_<gpu>x2.json", fsdp.build, fsdp.load(doc))
     doc.section("results/linear/host_<gpu>.json", linear_host.build, linear_host.load(doc))
     doc.section("results/catalog/, results/labs/", catalog.build, catalog.load(doc))
     doc.section("paper/published_claims.json", claims.build, Path(claims_path))

@@ -67,9 +67,11 @@ def test_the_readme_decode_and_fsdp_claims_hold_in_the_committed_results():
 
     text = (ROOT / "README.md").read_text()
     assert "is faster than dense bf16 and than bitsandbytes alone, but short of the 2x its bytes allow" in text
-    assert "it is not yet as fast as bitsandbytes alone" in text
+    assert "its median step is at least as fast as bitsandbytes alone's" in text
     rows = decode.summary(json.loads((ROOT / "results" / "decode" / "decode_h200.json").read_text()))
     fused = next(r for r in rows if r["mode"] == "nf4-fused" and r["batch"] == 1 and r["layers"] == 32)
     assert 1.0 < fused["vs_dense"] < decode.BAR and 1.0 < fused["vs_bnb"] < decode.BAR, fused
     fsdp = json.loads((ROOT / "results" / "fsdp" / "fsdp_qlora_h200x2.json").read_text())
-    assert fsdp["config"].get("interleave") and fsdp["verdicts"]["speedup_nf4_vs_bnb"] < 1.0
+    assert fsdp["config"].get("interleave") and fsdp["verdicts"]["speedup_nf4_vs_bnb"] >= 1.0
+    medians = {k: r["time"]["median_ms"] for k, r in fsdp["runs"].items()}
+    assert medians["nf4"] <= min(medians["bnb"], medians["bnb_repeat"]) and fsdp["runs"]["nf4"]["time"]["n"] >= 50
