@@ -44,7 +44,8 @@ What is patched (bitsandbytes 0.50.2), and why:
   training step as it serves the backward (the host time of a new QuantState per call, measured about
   100 us on an H100, was what the fallback paid before). gemm_4bit's shape arrives through torch.ops as a new
   list, so it is compared by value. Where no call hands its state over (a compiled forward), the state made of
-  the parts is kept per packed weight (`routes._state_of_parts`) and made again only for other parts.
+  the parts is kept per weight, by its absmax tensor (`routes._state_of_parts`: inductor hands the packed
+  weight over as a new alias each call, the absmax tensor as the same object), and made again only for other parts.
 * Opt-in, `patch_bitsandbytes(fused_linear=True)`: also routes `bitsandbytes.matmul_4bit` itself. A call
   with an NF4 QuantState in [N, K] orientation, fp16 or bf16 x of M rows on a CUDA GPU (or the CPU with
   the interpreter), M within the GPU's measured limit (`nf4.integrations.routes.routes_matmul_4bit`: the rows

@@ -185,39 +185,45 @@ def _holds(state, absmax, absmax_8bit, absmax_code, absmax_offset) -> bool:
             and state2.absmax is absmax and state2.code is absmax_code and state.offset is absmax_offset)
 
 
-# id(packed base tensor) -> {parts key: the QuantState made of those parts}; an entry goes with its base tensor (a
-# weakref.finalize), and a state holds the state's tensors, never the packed one, so nothing outlives the weight
+# id(the state's own absmax tensor) -> {(shape, dtype, blocksize): (weak references to the parts, the QuantState made
+# of them)}. The state is made of detached aliases of the parts (the same memory and version counters, other tensor
+# objects), so it holds no reference to the absmax tensor it is kept by: an entry goes with that tensor (a
+# weakref.finalize), and nothing outlives the weight.
 _FROM_PARTS: dict[int, dict] = {}
-_FROM_PARTS_LIMIT = 4096  # packed weights kept at most (then the dict starts again, as nf4's RepeatCache does)
+_FROM_PARTS_LIMIT = 4096  # weights kept at most (then the dict starts again, as nf4's RepeatCache does)
 
 
-def _state_of_parts(B, shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset):
-    """`_state_from_parts`, made once per set of parts for a packed weight that gemm_4bit receives as a view (the
-    transposed Parameter of Linear4bit.forward): kept by the view's base tensor and handed out again only for the
-    same tensor objects, shape, dtype and blocksize. A compiled forward reaches the fallback without matmul_4bit's
-    handover, and a new QuantState per call is nf4.dequantize's slow path (its repeat-call plan is kept per
-    QuantState). nf4.dequantize still checks the state's tensors on every call. Nothing is kept on any tensor
-    (torch.save pickles a tensor's __dict__)."""
-    base = B._base
-    if base is None:  # not a view: no lasting object to keep the state by
+def _state_of_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset):
+    """`_state_from_parts`, made once per weight and handed out again while gemm_4bit receives the same tensor
+    objects (compared through weak references), shape, dtype and blocksize. A compiled forward reaches the
+    fallback without matmul_4bit's handover, and with its packed weight as an alias that inductor makes anew for
+    every call (no `_base` to keep anything by); a new QuantState per call is nf4.dequantize's slow path (its
+    repeat-call plan is kept per QuantState). So the state is kept by the weight's own absmax tensor (absmax_8bit
+    where nested), which inductor passes as the same object every call. nf4.dequantize still checks the state's
+    tensors on every call (an alias shares its tensor's pointer and version counter, so an in-place change is
+    seen). Nothing is kept on any tensor (torch.save pickles a tensor's __dict__)."""
+    owner = absmax if absmax_8bit is None else absmax_8bit
+    parts = (absmax, absmax_8bit, absmax_code, absmax_offset)
+    key = (tuple(shape), dtype, blocksize)
+    kept = _FROM_PARTS.get(id(owner))
+    entry = kept.get(key) if kept is not None else None
+    if entry is not None and all((r is None and t is None) or (r is not None and r() is t)
+                                 for r, t in zip(entry[0], parts, strict=True)):
+        return entry[1]
+    try:
+        refs = tuple(None if t is None else weakref.ref(t) for t in parts)
+    except TypeError:  # a part that takes no weak references: keep nothing
         return _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset)
-    key = (tuple(shape), dtype, blocksize, id(absmax), id(absmax_8bit), id(absmax_code), id(absmax_offset))
-    kept = _FROM_PARTS.get(id(base))
-    state = kept.get(key) if kept is not None else None
-    if state is not None and _holds(state, absmax, absmax_8bit, absmax_code, absmax_offset):
-        return state
-    state = _state_from_parts(shape, absmax, blocksize, dtype, absmax_8bit, absmax_code, absmax_offset)
+    a, a8, code, offset = (None if t is None else t.detach() for t in parts)
+    state = _state_from_parts(shape, a, blocksize, dtype, a8, code, offset)
     if kept is None:
         if len(_FROM_PARTS) >= _FROM_PARTS_LIMIT:
             _FROM_PARTS.clear()
-        try:
-            weakref.finalize(base, _FROM_PARTS.pop, id(base), None)
-        except TypeError:  # a base that takes no weak references: its id may be reused, so keep nothing
-            return state
-        kept = _FROM_PARTS[id(base)] = {}
-    if len(kept) >= 8:  # a weight dequantized to many dtypes or with many states: start again
+        weakref.finalize(owner, _FROM_PARTS.pop, id(owner), None)
+        kept = _FROM_PARTS[id(owner)] = {}
+    if len(kept) >= 8:  # a weight dequantized to many dtypes or with many shapes: start again
         kept.clear()
-    kept[key] = state
+    kept[key] = (refs, state)
     return state
 
 
@@ -256,8 +262,7 @@ def route_dequant_linear_fallback(original):
         if (STATE.patches and quant_type == "nf4" and isinstance(B, torch.Tensor) and _nf4_device(B.device)
                 and A.dtype in _OUT_DTYPES):
             state = (_state_of_call(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code, absmax_offset)
-                     or _state_of_parts(B, shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code,
-                                        absmax_offset))
+                     or _state_of_parts(shapeB, absmax, blocksize, A.dtype, absmax_8bit, absmax_code, absmax_offset))
             weight = torch.empty(shapeB, dtype=A.dtype, device=A.device)
             try:
                 # Into `weight`, never through the return value: B is the (-1, 1) view, and nf4 would

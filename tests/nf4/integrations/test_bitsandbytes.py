@@ -1030,10 +1030,11 @@ def test_routed_calls_leave_the_state_tensors_as_they_were(nf4h):
 @pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
 def test_fallback_without_handover_makes_one_state_per_parts(nf4h, double_quant):
     """A compiled forward reaches the fallback without matmul_4bit's handover, with the shape as the new list that
-    torch.ops makes: the state rebuilt from the parts of a packed view is made once and kept by the view's base
-    (one state per parts key: a second call adds none and keeps the same object); other tensors (a clone of one) or
-    another dtype get another state, a packed tensor that is no view none; the results stay bit-exact; and nothing
-    outlives the packed weight (the kept state and its tensors go with it)."""
+    torch.ops makes and the packed weight as an alias made anew each call (no `_base`: tests/nf4/integrations'
+    compiled test shows inductor's): the state rebuilt from the parts is made once and kept by the state's absmax
+    tensor (one state per shape, dtype and blocksize: a second call adds none and keeps the same object, a packed
+    tensor that is no view too); other tensors (a clone of one) replace it, another dtype gets another; the results
+    stay bit-exact; and nothing outlives the weight (the kept state and its tensors go with the absmax tensor)."""
     import gc
     import weakref
 
@@ -1047,22 +1048,30 @@ def test_fallback_without_handover_makes_one_state_per_parts(nf4h, double_quant)
     route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
     args, kwargs = _fallback_args(state, a, packed, None)  # B is packed.view(-1, 1): a view, as gemm_4bit gets
     args = (*args[:2], list(args[2]), *args[3:])  # the shape as torch.ops hands it
-    root = packed if packed._base is None else packed._base  # what the view's _base names
+    root = state.absmax  # the state's own absmax (the 8-bit one where nested): what the state is kept by
     expect = torch.nn.functional.linear(a, F.dequantize_4bit(packed, state))
+
+    def kept(owner):
+        return [st for _, st in routes._FROM_PARTS[id(owner)].values()]
+
     with nf4.patched_bitsandbytes():
         first = route(*args, **kwargs)
-        (made,) = routes._FROM_PARTS[id(root)].values()
+        (made,) = kept(root)
         again = route(*args, **kwargs)
-        assert list(routes._FROM_PARTS[id(root)].values()) == [made]  # the same state, none added
+        plain = route(args[0], packed.reshape(-1, 1).clone(), *args[2:], **kwargs)  # no view (as inductor's alias)
+        assert kept(root) == [made]  # the same state, none added
         assert tuple(made.shape) == (37, 128) and made.dtype is torch.bfloat16
-        if double_quant:
+        assert made.absmax is not root and made.absmax.data_ptr() == root.data_ptr()  # an alias, not the tensor
+        if double_quant:  # another code2: made again, in the same slot
             other = route(*args, **{**kwargs, "absmax_code": kwargs["absmax_code"].clone()})
-        else:
-            other = route(args[0], args[1], args[2], args[3].clone(), *args[4:], **kwargs)
+            assert len(kept(root)) == 1 and kept(root)[0] is not made
+        else:  # another absmax tensor: kept by that tensor
+            clone = args[3].clone()
+            other = route(args[0], args[1], args[2], clone, *args[4:], **kwargs)
+            assert kept(root) == [made] and len(kept(clone)) == 1 and kept(clone)[0] is not made
+            del clone
         half = route(a.half(), *args[1:], **kwargs)
-        assert len(routes._FROM_PARTS[id(root)]) == 3
-        plain = route(args[0], packed.reshape(-1, 1).clone(), *args[2:], **kwargs)  # no view: nothing kept
-        assert len(routes._FROM_PARTS[id(root)]) == 3
+        assert len(kept(root)) == 2
     for got in (first, again, other, plain):
         assert_bitexact(got, expect)
     assert half.dtype is torch.float16
@@ -1088,15 +1097,58 @@ def test_kept_state_after_an_in_place_change_gives_fresh_bits(nf4h, double_quant
     route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
     args, kwargs = _fallback_args(state, a, packed, None)
     args = (*args[:2], list(args[2]), *args[3:])
-    root = packed if packed._base is None else packed._base
+    root = state.absmax
     with nf4.patched_bitsandbytes():
         route(*args, **kwargs)
         route(*args, **kwargs)  # (on a GPU the second call binds nf4.dequantize's repeat launch)
-        (made,) = routes._FROM_PARTS[id(root)].values()
+        ((_, made),) = routes._FROM_PARTS[id(root)].values()
         if double_quant:
             state.offset.mul_(0.5)  # in place: the same tensor objects
         else:
             state.absmax.mul_(2.0)
         got = route(*args, **kwargs)
-        assert list(routes._FROM_PARTS[id(root)].values()) == [made]
+        assert [st for _, st in routes._FROM_PARTS[id(root)].values()] == [made]
     assert_bitexact(got, torch.nn.functional.linear(a, F.dequantize_4bit(packed, state)))
+
+
+@needs_interpreter
+def test_compiled_fallback_keeps_one_state_per_weight(nf4h):
+    """Compiled as a forward is (the packed weight a Parameter, reached through an opaque op as bitsandbytes'
+    gemm_4bit is), the fallback gets the packed weight as an alias that inductor makes anew for every call (torch
+    2.13: no `_base`, so nothing could be kept by the packed tensor) and the state's tensors as the same objects:
+    three compiled calls make one state, kept by the state's absmax tensor, with the bits of bitsandbytes'
+    dequantize + F.linear."""
+    from nf4.integrations import routes
+
+    seed = nf4h.case_seed("bnb-compiled-parts")
+    raw, state = F.quantize_4bit(nf4h.make_weight((37, 128), torch.float32, seed), blocksize=64,
+                                    compress_statistics=True, quant_type="nf4")
+    state = nf4h.clone_state(state, dtype=torch.bfloat16)
+    packed = torch.nn.Parameter(raw, requires_grad=False)
+    a = nf4h.make_weight((3, 128), torch.bfloat16, seed + 1)
+    route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
+    bases = []
+
+    @torch.library.custom_op("nf4_tests::fallback_probe", mutates_args=())
+    def probe(a: torch.Tensor, b: torch.Tensor, absmax: torch.Tensor, absmax_8bit: torch.Tensor,
+              code: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        bases.append(b._base)
+        return route(a, b, [37, 128], absmax, 64, "nf4", None, absmax_8bit=absmax_8bit, absmax_code=code,
+                     absmax_offset=offset)
+
+    @probe.register_fake
+    def _(a, b, absmax, absmax_8bit, code, offset):
+        return a.new_empty((a.shape[0], 37))
+
+    def forward(x):
+        return probe(x, packed.view(-1, 1), state.state2.absmax, state.absmax, state.state2.code, state.offset)
+
+    compiled = torch.compile(forward, fullgraph=True)
+    expect = torch.nn.functional.linear(a, F.dequantize_4bit(raw, state))
+    routes._FROM_PARTS.pop(id(state.absmax), None)
+    with nf4.patched_bitsandbytes():
+        outs = [compiled(a) for _ in range(3)]
+    assert len(bases) == 3
+    assert len(routes._FROM_PARTS[id(state.absmax)]) == 1
+    for got in outs:
+        assert_bitexact(got, expect)
