@@ -240,10 +240,54 @@ def inversions(rows: list[dict], max_m: int = INVERSION_MAX_M, tolerance: float 
                     "dtype", "pairs": pairs, "count": len(violations), "violations": violations}
 
 
+# issue 34's bars over the catalog: (name, M range, the ratio, its direction and limit, rows it applies to)
+# ratio "speedup": peer_us / nf4_us (at least the limit); "time": nf4_us / peer_us (at most the limit)
+BIG_WEIGHT = 16 * 2**20
+BARS = (
+    ("m1_same_bytes", 1, 1, "same_bytes_cublas", "time", 1.3, BIG_WEIGHT),
+    ("m1_best_4bit_peer", 1, 1, ("bnb_matmul_4bit", "unsloth_gemv"), "speedup", 2.0, 0),
+    ("m1_dense", 1, 1, "dense_cublas", "speedup", 2.5, 0),
+    ("m2_16_dense", 2, 16, "dense_cublas", "speedup", 2.0, 0),
+    ("m17_128_dense", 17, 128, "dense_cublas", "speedup", 1.0, 0),
+    ("m129_512_dense", 129, 512, "dense_cublas", "time", 1.1, 0),
+    ("m1024_dense", 1024, None, "dense_cublas", "time", 1.05, 0),
+)
+
+
+def bars(rows: list[dict]) -> dict:
+    """Issue 34's forward bars over the catalog rows (`BARS`): per bar the rows it applies to (M in range, a weight
+    of at least the size given, nf4's and the peer's times; the best 4-bit peer is the faster of those named), the
+    rows that hold, and the worst ratio with its row. "faster than" holds strictly (speedup above 1.0)."""
+    out = {}
+    for name, lo, hi, peer, kind, limit, min_weight in BARS:
+        vals = []
+        for r in rows:
+            m = r.get("M")
+            if m is None or m < lo or (hi is not None and m > hi) or r["N"] * r["K"] < min_weight:
+                continue
+            peers = r.get("peers_us") or {}
+            times = [peers[p] for p in ((peer,) if isinstance(peer, str) else peer) if peers.get(p)]
+            if r.get("nf4_us") is None or not times:
+                continue
+            t = min(times)
+            vals.append((t / r["nf4_us"] if kind == "speedup" else r["nf4_us"] / t, r))
+        if kind == "speedup":
+            held = [v for v, _ in vals if (v > limit if limit == 1.0 else v >= limit)]
+            worst = min(vals, key=lambda vr: vr[0]) if vals else None
+        else:
+            held = [v for v, _ in vals if v <= limit]
+            worst = max(vals, key=lambda vr: vr[0]) if vals else None
+        out[name] = {"peer": peer if isinstance(peer, str) else list(peer), "ratio": kind, "limit": limit,
+                     "m": [lo, hi], "min_weights": min_weight, "rows": len(vals), "held": len(held),
+                     "worst": None if worst is None else {"value": worst[0], "N": worst[1]["N"], "K": worst[1]["K"],
+                                                         "M": worst[1]["M"], "dtype": worst[1]["dtype"]}}
+    return out
+
+
 def summary(rows: list[dict]) -> dict:
     """Overall and per subset (fit / held-out): per peer nf4's speedup over it (peer_us / nf4_us: min, median, max)
     and how many rows nf4 is slower on; nf4_us / floor_us (min, median, max); the exactness counts. For the linear
-    (rows with M) also per M, and the inversion bar (`inversions`)."""
+    (rows with M) also per M, the inversion bar (`inversions`) and issue 34's forward bars (`bars`)."""
     out = {"rows": len(rows), "exact": sum(1 for r in rows if r.get("exact") is True),
            "inexact": sum(1 for r in rows if r.get("exact") is False), **_ratios(rows)}
     subsets = list(dict.fromkeys(r["subset"] for r in rows if r.get("subset")))
@@ -252,6 +296,7 @@ def summary(rows: list[dict]) -> dict:
         ms = sorted({r["M"] for r in rows if "M" in r})
         out["by_m"] = {str(m): _ratios([r for r in rows if r.get("M") == m]) for m in ms}
         out["inversions"] = inversions(rows)
+        out["bars"] = bars(rows)
     return out
 
 

@@ -156,6 +156,37 @@ def test_inversions_by_hand():
     assert cb.inversions([{**r, "dtype": "float16"} for r in rows] + rows)["count"] == 6  # per dtype
 
 
+def test_bars_by_hand():
+    big, small = (8192, 4096), (1024, 1024)  # 32 Mi weights (the M = 1 same-bytes bar's size) and 1 Mi
+
+    def row(shape, m, nf4, **peers):
+        return {"N": shape[0], "K": shape[1], "M": m, "dtype": "bfloat16", "nf4_us": nf4, "peers_us": peers}
+
+    rows = [row(big, 1, 13.0, same_bytes_cublas=10.0, bnb_matmul_4bit=30.0, unsloth_gemv=26.0, dense_cublas=33.0),
+            row(small, 1, 5.0, same_bytes_cublas=2.0, bnb_matmul_4bit=11.0, unsloth_gemv=None, dense_cublas=12.0),
+            row(big, 8, 10.0, dense_cublas=20.0), row(big, 16, 10.0, dense_cublas=19.9),
+            row(big, 64, 10.0, dense_cublas=10.0), row(big, 128, 9.0, dense_cublas=10.0),
+            row(big, 256, 11.0, dense_cublas=10.0), row(big, 512, 11.1, dense_cublas=10.0),
+            row(big, 1024, 10.5, dense_cublas=10.0), row(big, 2048, None, dense_cublas=10.0)]
+    got = cb.bars(rows)
+    # same bytes: only the big weight counts, 13 / 10 = 1.3 holds (at most 1.3)
+    assert got["m1_same_bytes"]["rows"] == 1 and got["m1_same_bytes"]["held"] == 1
+    assert got["m1_same_bytes"]["worst"]["value"] == pytest.approx(1.3)
+    # the best 4-bit peer is the faster one: 26 / 13 = 2.0 holds, 11 / 5 = 2.2 holds
+    assert got["m1_best_4bit_peer"]["held"] == 2 and got["m1_best_4bit_peer"]["worst"]["value"] == pytest.approx(2.0)
+    # dense at M = 1: 33 / 13 = 2.54 holds, 12 / 5 = 2.4 does not
+    assert (got["m1_dense"]["held"], got["m1_dense"]["worst"]["N"]) == (1, 1024)
+    # M = 2-16: 20 / 10 = 2.0 holds, 19.9 / 10 does not
+    assert (got["m2_16_dense"]["rows"], got["m2_16_dense"]["held"]) == (2, 1)
+    # M = 17-128: faster, strictly: 10 / 10 does not hold, 10 / 9 does
+    assert (got["m17_128_dense"]["rows"], got["m17_128_dense"]["held"]) == (2, 1)
+    # M = 129-512: at most 1.1x dense: 1.1 holds, 1.11 does not; M >= 1024: 1.05 holds; no nf4 time, no row
+    assert (got["m129_512_dense"]["held"], got["m129_512_dense"]["worst"]["M"]) == (1, 512)
+    assert (got["m1024_dense"]["rows"], got["m1024_dense"]["held"]) == (1, 1)
+    assert "bars" in cb.summary(rows) and "bars" not in cb.summary([{k: v for k, v in r.items() if k != "M"}
+                                                                   for r in rows])
+
+
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])
 def test_parts_cover_every_shape_once(parts):
     shapes = cb.parse_shapes("all")
