@@ -33,7 +33,7 @@ LAB = (("nf4.linear", "nf4.linear"), ("none_fs", "control, no decode"), ("prmt",
 
 def load(doc: Document) -> dict:
     """{"dequant": {gpu tag: payload}, "lab": {gpu tag: payload}}: the files present (each missing one noted)."""
-    out = {"dequant": {}, "lab": {}, "bulk": {}, "sass": None}
+    out = {"dequant": {}, "lab": {}, "bulk": {}, "sass": None, "linear": {}}
     if (doc.results / "labs/sass_sm90.json").exists():  # offline builds: no GPU, one file
         payload = doc.load("labs/sass_sm90.json", label="experiments.labs.sass_count", required_for="SASS table")
         out["sass"] = payload if isinstance(payload, dict) else None
@@ -47,6 +47,7 @@ def load(doc: Document) -> dict:
                 out["bulk"][tag] = payload
     for tag, _, label in GPUS:
         for kind, name, command in (("dequant", f"catalog/dequant_{tag}.json", "experiments catalog-bench dequant"),
+                                    ("linear", f"catalog/linear_{tag}.json", "experiments catalog-bench linear"),
                                     ("lab", f"labs/gemv_skeletons_{tag}.json", "experiments.labs.gemv_lut")):
             if not (doc.results / name).exists():
                 doc.missing.append(f"results/{name} ({label}: python -m {command})")
@@ -96,6 +97,7 @@ def build(doc: Document, data: dict) -> None:
         doc.macro(f"NFcatBig{g}", integer(s["big"][1]) if s else NM)
     _table(doc, sums)
     _figure(doc, dequant)
+    _linear_bars(doc, data.get("linear") or {})
     _lab(doc, data.get("lab") or {})
     _bulk(doc, data.get("bulk") or {})
     _sass(doc, data.get("sass"))
@@ -125,6 +127,47 @@ def _table(doc: Document, sums: dict) -> None:
     lines = [ln for ln in lines if ln] + [r"\bottomrule", r"\end{tabular}"]
     doc.write("catalog_dequant_table.tex", "\n".join(lines) + "\n")
 
+
+
+# issue 34's forward bars as the linear catalog's summary names them (experiments.catalog_bench.BARS): (key, label)
+LINEAR_BARS = (("m1_same_bytes", r"$M{=}1$: $\leq$1.3$\times$ cuBLAS on as many bytes ($\geq$16\,Mi weights)"),
+               ("m1_best_4bit_peer", r"$M{=}1$: $\geq$2$\times$ the best 4-bit peer"),
+               ("m1_dense", r"$M{=}1$: $\geq$2.5$\times$ dense bf16 cuBLAS"),
+               ("m2_16_dense", r"$M{=}2$--16: $\geq$2$\times$ dense"),
+               ("m17_128_dense", r"$M{=}17$--128: faster than dense"),
+               ("m129_512_dense", r"$M{=}129$--512: $\leq$1.1$\times$ dense time"),
+               ("m1024_dense", r"$M\geq1024$: $\leq$1.05$\times$ dense time"))
+
+
+INVERSION_PCT = 3  # the catalog issue's bar: at M <= 16 a larger M never more than 3 % faster
+
+
+def _linear_bars(doc: Document, linear: dict) -> None:
+    """The linear catalog's bars per GPU: rows that hold of the rows the bar applies to, and the worst ratio; the
+    inversion bar of the catalog issue beside them."""
+    doc.macro("NFcatInversionPct", str(INVERSION_PCT))
+    for tag, g, _ in GPUS:
+        inv = ((linear.get(tag) or {}).get("summary") or {}).get("inversions") or {}
+        doc.macro(f"NFcatLinearInversions{g}", integer(inv["count"]) if "count" in inv else NM)
+    if not linear:
+        doc.write("catalog_linear_bars_table.tex", missing_box(r"results/catalog/linear\_<gpu>.json (\texttt{python "
+                                                               r"-m experiments catalog-bench linear} on a GPU)"))
+        return
+    shown = [(tag, label) for tag, _, label in GPUS if tag in linear]
+    lines = [r"\begin{tabular}{l" + "rr" * len(shown) + "}", r"\toprule",
+             row(["bar", *[x for _, label in shown for x in (f"{label}: held", "worst")]]), r"\midrule"]
+    for key, label in LINEAR_BARS:
+        cells = []
+        for tag, _ in shown:
+            b = (((linear[tag].get("summary") or {}).get("bars") or {}).get(key)) or {}
+            worst = (b.get("worst") or {}).get("value")
+            cells += [f"{b['held']} of {b['rows']}" if b.get("rows") else NM, ratio(worst) if worst else NM]
+        lines.append(row([label, *cells]))
+    inv = [((linear[tag].get("summary") or {}).get("inversions") or {}) for tag, _ in shown]
+    lines.append(row([rf"$M\leq16$: no inversion over {INVERSION_PCT}\,\%",
+                      *[x for i in inv for x in ((f"{i['count']} found" if "count" in i else NM), DASHES)]]))
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    doc.write("catalog_linear_bars_table.tex", "\n".join(lines) + "\n")
 
 
 def _figure(doc: Document, dequant: dict) -> None:

@@ -41,3 +41,19 @@ def test_generated_macros_and_table(tmp_path):
     assert any("dequant_h200.json" in m for m in missing)
     assert "1 of 3" in files["catalog_dequant_table.tex"] and "H200" not in files["catalog_dequant_table.tex"]
     assert files["catalog_dequant_h100.dat"].splitlines()[0] == "weights over"
+
+
+def test_linear_bars_table_reads_the_files_summary(tmp_path):
+    """The linear catalog's bars come from the file's summary (written by the GPU run or `merge`), per GPU."""
+    (tmp_path / "catalog").mkdir()
+    bars = {"m1_same_bytes": {"rows": 4, "held": 1, "worst": {"value": 2.31}},
+            "m17_128_dense": {"rows": 6, "held": 6, "worst": {"value": 1.2}}}
+    payload = {"device": "GPU", "rows": [], "summary": {"bars": bars, "inversions": {"count": 7}}}
+    (tmp_path / "catalog" / "linear_h200.json").write_text(json.dumps(payload))
+    files, _ = generate.generate(tmp_path, generate.CLAIMS)
+    table = files["catalog_linear_bars_table.tex"]
+    assert "H200: held & worst" in table and "H100" not in table
+    assert "1 of 4 & 2.31" in table and "6 of 6 & 1.20" in table and "7 found" in table
+    macros = dict(re.findall(r"\\newcommand\{\\(NFcatLinear[A-Za-z]+)\}\{(.*)\}", files["macros.tex"]))
+    assert macros["NFcatLinearInversionsHTwoHundred"] == "7"
+    assert macros["NFcatLinearInversionsHOneHundred"] == generate.NM
