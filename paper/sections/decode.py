@@ -65,6 +65,20 @@ def summary(payload: dict) -> list[dict]:
     return out
 
 
+def prefill_device_ms(payload: dict) -> dict:
+    """{(model, batch, mode, compiled): (wall ms, device ms)} of the prefill rows whose profile kept the sum over
+    all kernels (top_kernels' "(all kernels)"), at the first prompt length."""
+    out = {}
+    for r in payload.get("rows") or []:
+        if not isinstance(r, dict) or r.get("phase") != "prefill" or r.get("error") or not r.get("ms"):
+            continue
+        total = next((t for name, t in r.get("top_kernels") or [] if name == "(all kernels)"), None)
+        if total:
+            out.setdefault((r.get("model"), r.get("batch"), r.get("mode"), bool(r.get("compiled"))),
+                           (r["ms"], total / 1000))
+    return out
+
+
 def prefill(payload: dict) -> dict:
     """{(model, batch, mode, compiled): ms per token} of the prefill rows that ran, at the first prompt length."""
     rows = [r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("phase") == "prefill"
@@ -85,6 +99,11 @@ def build(doc: Document, data: dict) -> None:
                 bnb, ours = (pre.get(("llama3-8b", 1, m, compiled)) for m in ("bnb", mode))
                 # bitsandbytes' prefill time over nf4's: above 1, nf4 is faster
                 doc.macro(f"NFprefill{stem}VsBnb{when}{g}", ratio(bnb / ours) if bnb and ours else NM)
+        dev = prefill_device_ms(data[tag]) if tag in data else {}
+        for mode, stem in (("bnb", "Bnb"), ("nf4-fused", "Fused")):
+            wall, device = dev.get(("llama3-8b", 1, mode, True), (None, None))
+            doc.macro(f"NFprefill{stem}WallMs{g}", num(wall, 1) if wall else NM)
+            doc.macro(f"NFprefill{stem}DeviceMs{g}", num(device, 1) if device else NM)
         fused = next((s for s in sums.get(tag) or [] if s["mode"] == "nf4-fused" and s["batch"] == 1), None)
         doc.macro(f"NFdecodeFusedVsDense{g}", ratio(fused["vs_dense"]) if fused and fused["vs_dense"] else NM)
         doc.macro(f"NFdecodeFusedVsBnb{g}", ratio(fused["vs_bnb"]) if fused and fused["vs_bnb"] else NM)

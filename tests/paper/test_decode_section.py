@@ -86,3 +86,14 @@ def test_prefill_macros_are_bitsandbytes_time_over_nf4s():
                              ("bnb", True, 9.0))]  # a second prompt length: the first row of a key counts
     pre = decode.prefill({"rows": rows})
     assert pre[("llama3-8b", 1, "nf4", False)] == 0.2 and pre[("llama3-8b", 1, "bnb", True)] == 0.06
+
+
+def test_prefill_device_ms_reads_the_profiles_sum():
+    from paper.sections import decode
+
+    rows = [{"model": "llama3-8b", "batch": 1, "mode": "bnb", "compiled": True, "phase": "prefill", "ms": 36.5,
+             "top_kernels": [["(all kernels)", 22113.9], ["kDequantizeBlockwise", 7787.1]]},
+            {"model": "llama3-8b", "batch": 1, "mode": "nf4", "compiled": True, "phase": "prefill", "ms": 50.0,
+             "top_kernels": None}]
+    got = decode.prefill_device_ms({"rows": rows})
+    assert got == {("llama3-8b", 1, "bnb", True): (36.5, 22.1139)}
