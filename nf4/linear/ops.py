@@ -27,14 +27,55 @@ def _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype) ->
     return NF4Weight(packed, absmax, absmax2, code2, offset, (n, k), blocksize, w_dtype, absmax2 is not None)
 
 
+# The opaque op's dequantize launches, bound once per set of launch facts (`_plan_key`) with every tensor pointer
+# rebound on each call: a compiled graph hands the op its packed weight as an alias made anew for every call (and
+# the state's tensors as they are), so no launch is kept by tensor identity; what the compiled kernel depends on
+# (sizes, dtypes, blocksize, flags, each pointer's 16-byte alignment, which Triton specialises on) is the key.
+_PLANS: dict[tuple, runtime.Bound] = {}
+_PLANS_LIMIT = 4096
+_NESTED_SLOTS = ("packed_ptr", "absmax_ptr", "absmax2_ptr", "code2_ptr", "offset_ptr", "out_ptr")
+_PLAIN_SLOTS = ("packed_ptr", "absmax_ptr", "out_ptr")
+
+
+def _plan_key(parts: tuple, wt: torch.Tensor, n: int, k: int, blocksize: int, ftz: bool) -> tuple:
+    """Everything a bound dequantize launch depends on besides its pointers (parts: packed, absmax and, nested,
+    absmax2, code2, offset; wt the output)."""
+    return (wt.device.index, n, k, blocksize, wt.dtype, ftz,
+            *((t.dtype, t.numel(), t.data_ptr() % 16) for t in parts), wt.data_ptr() % 16)
+
+
+def _bindable(device: torch.device) -> bool:
+    """Whether launches on `device` can be bound (a CUDA GPU: Triton's interpreter and meta tensors launch none)."""
+    return device.type == "cuda"
+
+
+def _dequantize_scratch(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype, ftz, device):
+    """The weight dequantized into a new [n, k] tensor of w_dtype: a bound launch where one was made for the same
+    launch facts (on a CUDA GPU, no profiler hooks), else the full launch, which binds one for the next call."""
+    wt = torch.empty((n, k), dtype=w_dtype, device=device)
+    nested = absmax2 is not None
+    parts = (packed, absmax, absmax2, code2, offset) if nested else (packed, absmax)
+    key = _plan_key(parts, wt, n, k, blocksize, ftz) if _bindable(device) else None
+    bound = _PLANS.get(key) if key is not None else None
+    if bound is not None and not runtime.hooks_active():
+        bound(runtime.raw_stream(device.index), *(t.data_ptr() for t in parts), wt.data_ptr())
+        return wt
+    _, compiled, fn, grid, args = dequant_launch(_weight(packed, absmax, absmax2, code2, offset, n, k, blocksize,
+                                                         w_dtype), wt, ftz)
+    if key is not None and compiled is not None and not runtime.hooks_active():
+        if len(_PLANS) >= _PLANS_LIMIT:
+            _PLANS.clear()
+        _PLANS[key] = runtime.bind(compiled, fn, grid, args, _NESTED_SLOTS if nested else _PLAIN_SLOTS)
+    return wt
+
+
 @torch.library.custom_op("nf4::dequantize_matmul_opaque", mutates_args=())
 def _dequantize_matmul_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                               absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: torch.Tensor | None,
                               bias: torch.Tensor | None, n: int, k: int, blocksize: int, w_dtype: torch.dtype,
                               ftz: bool, trans: bool) -> torch.Tensor:
     """The weight dequantized into a scratch tensor, then the cuBLAS product eager runs."""
-    wt = torch.empty((n, k), dtype=w_dtype, device=x.device)
-    dequant_launch(_weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype), wt, ftz)
+    wt = _dequantize_scratch(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype, ftz, x.device)
     return dense_product(x, wt, bias, trans)
 
 

@@ -10,6 +10,7 @@ after its package's modules are imported.
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -573,3 +574,57 @@ def test_maxnreg_reaches_the_compile_options_and_changes_no_result(nf4h):
         assert fn.__name__ == "nf4_gemv_mma_kernel" and options == want
     plain = LinearConfig(kernel="gemv", split_k=1, block_r=16, step_bytes=16, codebook=0)
     assert_bitexact(nf4.linear(x, packed, qs, config=plain.with_(maxnreg=40)), nf4.linear(x, packed, qs, config=plain))
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["dq", "nodq"])
+def test_opaque_dequantize_binds_per_launch_facts_and_rebinds_every_pointer(nf4h, monkeypatch, nested):
+    """The opaque op's dequantize (what a compiled dequant-path linear runs on every call) binds its launch once per
+    set of launch facts and, on later calls, rebinds every tensor pointer (the packed alias a compiled graph makes
+    anew each call, the state's tensors, the output): new tensor objects at the same alignment take the bound launch
+    with their own pointers; another alignment, size, dtype or flag takes the full launch again. Launches stubbed
+    (the interpreter binds none)."""
+    ops = importlib.import_module("nf4.linear.ops")
+
+    full, bound_calls = [], []
+
+    class Bound:
+        def __init__(self, rebind):
+            self.rebind = rebind
+
+        def __call__(self, stream, *values):
+            bound_calls.append(values)
+
+    def launch(w, out, ftz):
+        full.append((w.packed.data_ptr(), out.shape, ftz))
+        return out, object(), None, (1,), {}
+
+    monkeypatch.setattr(ops, "_bindable", lambda device: True)
+    monkeypatch.setattr(ops, "dequant_launch", launch)
+    monkeypatch.setattr(ops.runtime, "bind", lambda compiled, fn, grid, args, rebind: Bound(rebind))
+    monkeypatch.setattr(ops.runtime, "raw_stream", lambda index: 7)
+    monkeypatch.setattr(ops, "_PLANS", {})
+    packed, qs = nf4h.quantize((37, 128), torch.bfloat16, 64, nested, seed=nf4h.case_seed("opaque-plans", nested))
+    s2 = qs.state2
+
+    def parts(p):
+        return (p, qs.absmax, s2.absmax, s2.code, qs.offset) if nested else (p, qs.absmax, None, None, None)
+
+    def call(p, ftz=False, k=128, dtype=torch.bfloat16):
+        return ops._dequantize_scratch(*parts(p), 37, k, 64, dtype, ftz, p.device)
+
+    call(packed)
+    assert len(full) == 1 and not bound_calls
+    (bound,) = ops._PLANS.values()
+    assert bound.rebind == (ops._NESTED_SLOTS if nested else ops._PLAIN_SLOTS)
+    twin = packed.clone()  # another tensor object (and pointer), the same facts
+    wt = call(twin)
+    assert len(full) == 1 and len(bound_calls) == 1
+    want = [t.data_ptr() for t in parts(twin) if t is not None]
+    assert list(bound_calls[0][:-1]) == want and bound_calls[0][-1] != 0 and wt.shape == (37, 128)
+    bytes_ = torch.zeros(packed.numel() * packed.element_size() + 4, dtype=torch.uint8)
+    shifted = bytes_[4:].view(packed.dtype).view(packed.shape)  # 4 bytes off its 16-byte alignment
+    shifted.copy_(packed)
+    call(shifted)
+    call(packed, ftz=True)
+    call(packed, dtype=torch.float16)
+    assert len(full) == 4 and len(bound_calls) == 1 and len(ops._PLANS) == 4

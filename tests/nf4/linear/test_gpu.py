@@ -306,6 +306,41 @@ def test_torch_compile_forward(nf4h, lin, dtype, m):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+def test_opaque_dequantize_repeat_calls_are_exact(nf4h, lin, double_quant):
+    """The dequant path's opaque op (what a compiled linear of many rows runs every call) binds its dequantize on the
+    first call and rebinds every pointer after: later calls on the same tensors, on a clone of the packed weight and
+    of the state's tensors (other addresses), and on a packed weight 4 bytes off its alignment (a new plan), each
+    give eager's bits; a clone changed in place gives the changed weight's bits."""
+    import nf4.linear.ops  # registers the ops
+
+    n, k, dtype = 333, 512, torch.bfloat16
+    packed, qs = nf4h.quantize((n, k), dtype, 64, double_quant, seed=nf4h.case_seed("gpu-opaque", double_quant),
+                               device=CUDA)
+    x = lin.randn((300, k), dtype, 7, device=CUDA)
+
+    def op(p, state):
+        s2 = state.state2
+        nested = (s2.absmax, s2.code, state.offset) if double_quant else (None, None, None)
+        return torch.ops.nf4.dequantize_matmul_opaque(x, p, state.absmax, *nested, None, n, k, 64, dtype, True,
+                                                      False)
+
+    def want(p, state):
+        return torch.nn.functional.linear(x, nf4.dequantize(p, state))
+
+    for _ in range(3):
+        assert_bitexact(op(packed, qs), want(packed, qs), name="same tensors")
+    twin, twin_qs = packed.clone(), nf4h.clone_state(qs)
+    assert_bitexact(op(twin, twin_qs), want(twin, twin_qs), name="clones")
+    raw = torch.empty(packed.numel() + 16, dtype=torch.uint8, device=CUDA)
+    shifted = raw[4:4 + packed.numel()].view(packed.shape)
+    shifted.copy_(packed)
+    for _ in range(2):
+        assert_bitexact(op(shifted, qs), want(shifted, qs), name="4 bytes off")
+    twin.bitwise_xor_(0x11)
+    assert_bitexact(op(twin, twin_qs), want(twin, twin_qs), name="changed in place")
+
+
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_torch_compile_forward_backward(nf4h, lin, m):
     """Forward and backward compiled: y and x.grad bit for bit as eager; bias.grad (a sum over rows,
