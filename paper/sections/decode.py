@@ -31,7 +31,14 @@ def load(doc: Document) -> dict:
         payload = doc.load(name, label="experiments decode", required_for=f"decode table, {label}")
         if isinstance(payload, dict):
             out[tag] = payload
-    return out
+    short = {}  # a shorter model's compiled run after a change (decode_8layers_<gpu>.json), where one was made
+    for tag, _, label in GPUS:
+        name = f"decode/decode_8layers_{tag}.json"
+        if (doc.results / name).exists():
+            payload = doc.load(name, label="experiments decode --layers 8", required_for=f"prefill macros, {label}")
+            if isinstance(payload, dict):
+                short[tag] = payload
+    return {**out, "short": short} if short else out
 
 
 def _decode_rows(payload: dict) -> dict:
@@ -89,8 +96,19 @@ def prefill(payload: dict) -> dict:
     return out
 
 
-def build(doc: Document, data: dict) -> None:
+def build(doc: Document, data: dict | None) -> None:
+    data = dict(data or {})
+    short = data.pop("short", None) or {}
     doc.macro("NFdecodeBar", ratio(BAR))
+    for tag, g, _ in GPUS:
+        p = short.get(tag) or {}
+        pre = prefill(p)
+        layers = (p.get("config") or {}).get("layers")
+        doc.macro(f"NFshortLayers{g}", str(layers) if layers else NM)
+        doc.macro(f"NFshortCommit{g}", tex(((p.get("environment") or {}).get("commit") or "")[:7]) or NM)
+        for mode, stem in (("nf4", "Plain"), ("nf4-fused", "Fused")):
+            bnb, ours = (pre.get(("llama3-8b", 1, m, True)) for m in ("bnb", mode))
+            doc.macro(f"NFshortPrefill{stem}VsBnb{g}", ratio(bnb / ours) if bnb and ours else NM)
     sums = {tag: summary(p) for tag, p in data.items()}
     for tag, g, _ in GPUS:
         pre = prefill(data[tag]) if tag in data else {}

@@ -97,3 +97,23 @@ def test_prefill_device_ms_reads_the_profiles_sum():
              "top_kernels": None}]
     got = decode.prefill_device_ms({"rows": rows})
     assert got == {("llama3-8b", 1, "bnb", True): (36.5, 22.1139)}
+
+
+def test_the_shorter_run_gives_its_own_prefill_macros_and_stays_out_of_the_table(tmp_path):
+    import json
+    import re
+
+    from paper import generate
+
+    (tmp_path / "decode").mkdir()
+    rows = [{"model": "llama3-8b", "layers": 8, "batch": 1, "mode": m, "compiled": True, "phase": p,
+             "ms_per_token": ms, "ms": 1.0} for m, p, ms in (("bnb", "prefill", 0.06), ("nf4-fused", "prefill", 0.04),
+                                                             ("nf4-fused", "decode", 1.0))]
+    payload = {"config": {"layers": 8}, "environment": {"commit": "abcdef0123"}, "rows": rows}
+    (tmp_path / "decode" / "decode_8layers_h200.json").write_text(json.dumps(payload))
+    files, _ = generate.generate(tmp_path, generate.CLAIMS)
+    macros = dict(re.findall(r"\\newcommand\{\\(NFshort[A-Za-z]+)\}\{(.*)\}", files["macros.tex"]))
+    assert macros["NFshortLayersHTwoHundred"] == "8" and macros["NFshortCommitHTwoHundred"] == "abcdef0"
+    assert macros["NFshortPrefillFusedVsBnbHTwoHundred"] == "1.50"
+    assert macros["NFshortPrefillPlainVsBnbHTwoHundred"] == generate.NM
+    assert "H200" not in files["decode_table.tex"]  # no full-depth file: the shorter run makes no table rows
