@@ -147,8 +147,17 @@ def _linear_bars(doc: Document, linear: dict) -> None:
     inversion bar of the catalog issue beside them."""
     doc.macro("NFcatInversionPct", str(INVERSION_PCT))
     for tag, g, _ in GPUS:
-        inv = ((linear.get(tag) or {}).get("summary") or {}).get("inversions") or {}
+        summ = (linear.get(tag) or {}).get("summary") or {}
+        inv = summ.get("inversions") or {}
         doc.macro(f"NFcatLinearInversions{g}", integer(inv["count"]) if "count" in inv else NM)
+        doc.macro(f"NFcatLinearRows{g}", integer(summ["rows"]) if "rows" in summ else NM)
+        doc.macro(f"NFcatLinearExact{g}", integer(summ["exact"]) if "exact" in summ else NM)
+        for peer, stem in (("bnb_matmul_4bit", "Bnb"), ("dense_cublas", "Dense"), ("unsloth_gemv", "Unsloth"),
+                           ("same_bytes_cublas", "SameBytes")):
+            p = (summ.get("peers") or {}).get(peer) or {}
+            doc.macro(f"NFcatLinear{stem}Median{g}", ratio(p["speedup_median"]) if p.get("speedup_median") else NM)
+            doc.macro(f"NFcatLinear{stem}Slower{g}", integer(p["nf4_slower"]) if "nf4_slower" in p else NM)
+            doc.macro(f"NFcatLinear{stem}Rows{g}", integer(p["n"]) if "n" in p else NM)
     if not linear:
         doc.write("catalog_linear_bars_table.tex", missing_box(r"results/catalog/linear\_<gpu>.json (\texttt{python "
                                                                r"-m experiments catalog-bench linear} on a GPU)"))
