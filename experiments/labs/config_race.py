@@ -2,6 +2,14 @@
 
     python -m experiments.labs.config_race --configs GEMV_MMA16 GEMV_MMA_WK16 --ms 9 12 16 \\
         --shapes 14336x4096 4096x14336 4096x4096 28672x8192 1024x4096 --out results/labs/config_race_<gpu>.json
+    python -m experiments.labs.config_race --configs GEMV_MMA_WK GEMV_MMA_WK16 GEMV_MMA_WK4 --ms 1 2 4 8 \\
+        --shapes all --part 0/4 --out /tmp/race0.json          (the shape catalog, or its fit / held-out subset)
+    python -m experiments.labs.config_race --report /tmp/race0.json /tmp/race1.json ...
+
+--shapes takes NxK items and the catalog's names (all, fit, held-out); --part i/n races shapes i, i + n, ... of
+them, so a catalog sweep can be split over device calls. The file is written after every shape. --report prints,
+per subset of the catalog, how far the table's pick ("tuned") is from the best config raced at each shape, M and
+dtype (`summary`: the catalog issue's bar is within 10 %).
 
 For each weight (bitsandbytes NF4, blocksize 64, nested, rotated through more than L2 as in gemv_lut) and M, each
 config (a name of nf4/linear/tuned.json's configs) runs through `nf4.linear(x, packed, state, config=...)`: first on
@@ -68,34 +76,86 @@ def race(n: int, k: int, ms, names, dtype, log=print) -> list[dict]:
     return rows
 
 
+def summary(rows: list[dict], fit: set | None = None) -> dict:
+    """Per subset ("fit" where (N, K) is in `fit`, else "held-out"; "all" when fit is None): the rows (shape, M,
+    dtype) where "tuned" and at least one raced config ran exactly, the tuned time over the best raced time there
+    (min, median, max), how many are within 10 %, and the worst with its best config."""
+    groups: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r.get("graph_us") and r.get("operand_mismatches") == 0:
+            groups.setdefault((r["N"], r["K"], r["M"], r["dtype"]), {})[r["config"]] = r["graph_us"]
+    out: dict[str, dict] = {}
+    for (n, k, m, dtype), times in sorted(groups.items()):
+        raced = {c: t for c, t in times.items() if c != "tuned"}
+        if "tuned" not in times or not raced:
+            continue
+        best = min(raced, key=raced.get)
+        ratio = times["tuned"] / min(times["tuned"], raced[best])
+        subset = "all" if fit is None else ("fit" if (n, k) in fit else "held-out")
+        s = out.setdefault(subset, {"rows": 0, "within_10pct": 0, "ratios": [], "worst": None})
+        s["rows"] += 1
+        s["within_10pct"] += ratio <= 1.10
+        s["ratios"].append(ratio)
+        if s["worst"] is None or ratio > s["worst"]["ratio"]:
+            s["worst"] = {"N": n, "K": k, "M": m, "dtype": dtype, "ratio": ratio, "best": best}
+    for s in out.values():
+        r = sorted(s.pop("ratios"))
+        s.update(min=r[0], median=r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2,
+                 max=r[-1])
+    return out
+
+
+def expand_shapes(items) -> list[tuple[int, int]]:
+    """NxK items and catalog names (all, fit, held-out), in order, each shape once."""
+    from experiments.catalog_bench import parse_shapes
+
+    return list(dict.fromkeys(s for item in items for s in parse_shapes(item)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.labs.config_race", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", required=True)
+    ap.add_argument("--configs", nargs="+", default=None, help="names of nf4/linear/tuned.json's configs")
     ap.add_argument("--ms", nargs="+", type=int, default=[9, 12, 16])
     ap.add_argument("--shapes", nargs="+", default=["14336x4096", "4096x14336", "4096x4096", "28672x8192",
-                                                      "1024x4096"])
+                                                      "1024x4096"], help="NxK items and catalog names")
+    ap.add_argument("--part", default="0/1", help="i/n: shapes i, i + n, ... of --shapes")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", default="build/labs/config_race.json")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print the summary of race files")
     args = ap.parse_args(argv)
+    from experiments import catalog as cat
+    from experiments.catalog_bench import parse_part, select_part
+
+    fit = {(sh.n, sh.k) for sh in cat.fit_shapes()}
+    if args.report:
+        rows = [r for path in args.report for r in json.loads(Path(path).read_text())["rows"]]
+        print(json.dumps(summary(rows, fit), indent=1))
+        return 0
     from nf4.linear import tuned
 
+    if not args.configs:
+        ap.error("--configs is required (or --report)")
     unknown = [c for c in args.configs if c not in tuned.CONFIGS]
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {sorted(tuned.CONFIGS)}")
+    try:
+        shapes = select_part(expand_shapes(args.shapes), parse_part(args.part))
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        ap.error(str(exc))
     if not torch.cuda.is_available():
         print("config_race needs a CUDA GPU")
         return 2
     from verify import timing
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    rows = []
-    for shape in args.shapes:
-        n, k = (int(v) for v in shape.lower().split("x"))
-        rows += race(n, k, args.ms, args.configs, dtype)
-    out = {"device": torch.cuda.get_device_name(), "environment": timing.environment(), "rows": rows}
+    out = {"device": torch.cuda.get_device_name(), "environment": timing.environment(), "part": args.part,
+           "configs": args.configs, "ms": args.ms, "rows": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    for n, k in shapes:
+        out["rows"] += race(n, k, args.ms, args.configs, dtype)
+        out["summary"] = summary(out["rows"], fit)
+        Path(args.out).write_text(json.dumps(out, indent=1, default=str))  # after every shape: a cut run keeps them
     print(f"wrote {args.out}")
     return 0
 
