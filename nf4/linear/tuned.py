@@ -62,15 +62,22 @@ def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
 
 
 SMALL_WEIGHT = 1024 * 4096
+# GPUs whose M = 33-64 row gives way to nf4.dequantize + cuBLAS on rows under 2048 weights: measured over the shape
+# catalog on the H200 (results/catalog/linear_h200.json: on the catalog's fit subset 38 rows, dequantize + cuBLAS
+# took a median 0.81x the word GEMM's time; on the held-out subset 10 rows, 0.82x, none slower); the H100 has no
+# catalog run yet
+SHORT_ROWS_DEQUANT_64 = ("H200",)
 LARGE_WEIGHT = 8192 * 4096  # weights from which the word GEMM rows take rows of 4096-8191 weights
 
 
-def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
-    """The config a tuned row gives way to on a weight of n x k that it fits badly; any other config unchanged.
+def for_shape(config: LinearConfig, m: int, n: int, k: int, gpu: str = "") -> LinearConfig:
+    """The config a tuned row gives way to on a weight of n x k that it fits badly on the named GPU; any other config
+    unchanged.
 
     Rules (from sweeps over six weights on both GPUs; the measurements are in tuned.json's sources):
     - M = 17-32: a weight of at most SMALL_WEIGHT weights takes GEMV_MMA32; a large weight (LARGE_WEIGHT or
       more) with rows of 4096-8191 weights WORD_GEMM32_S8.
+    - M = 33-64, on the GPUs of SHORT_ROWS_DEQUANT_64: rows shorter than 2048 take DEQUANT.
     - M = 65-128: rows shorter than 4096 take DEQUANT; large weights with rows of 4096-8191 WORD_GEMM128_W8.
     - M = 129-256: rows shorter than 8192 take DEQUANT, except large weights with rows of 4096 or more.
     - M <= 4: rows shorter than two steps of a GEMV_MMA_WK warp take GEMV_MMA_WK4; 14336-16384 rows of 4096
@@ -81,6 +88,8 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int) -> LinearConfig:
         return GEMV_MMA32
     if config is WORD_GEMM32 and large_short:
         return WORD_GEMM32_S8
+    if config is WORD_GEMM64 and k < 2048 and any(g in gpu for g in SHORT_ROWS_DEQUANT_64):
+        return DEQUANT
     if (config is WORD_GEMM128 and k < 4096) or (config is WORD_GEMM256 and k < 8192 and not large_short):
         return DEQUANT
     if config is WORD_GEMM128 and large_short:
@@ -104,5 +113,5 @@ def tuned(device_name: str, m: int, backward: bool = False, *, n: int | None = N
     table = next((t for gpu, t in TUNED.items() if gpu in device_name), TUNED[DEFAULT_GPU])
     config = pick(table[direction], m)
     if not backward and n is not None and k is not None:
-        config = for_shape(config, m, n, k)
+        config = for_shape(config, m, n, k, device_name)
     return config
