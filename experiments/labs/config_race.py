@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -100,8 +101,7 @@ def summary(rows: list[dict], fit: set | None = None) -> dict:
             s["worst"] = {"N": n, "K": k, "M": m, "dtype": dtype, "ratio": ratio, "best": best}
     for s in out.values():
         r = sorted(s.pop("ratios"))
-        s.update(min=r[0], median=r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2,
-                 max=r[-1])
+        s.update(min=r[0], median=statistics.median(r), max=r[-1])
     return out
 
 

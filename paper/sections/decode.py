@@ -72,27 +72,33 @@ def summary(payload: dict) -> list[dict]:
     return out
 
 
+def _prefill_rows(payload: dict) -> list[dict]:
+    """The prefill rows that ran without an error."""
+    return [r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("phase") == "prefill"
+            and not r.get("error")]
+
+
+def _key(r: dict) -> tuple:
+    return r.get("model"), r.get("batch"), r.get("mode"), bool(r.get("compiled"))
+
+
 def prefill_device_ms(payload: dict) -> dict:
     """{(model, batch, mode, compiled): (wall ms, device ms)} of the prefill rows whose profile kept the sum over
     all kernels (top_kernels' "(all kernels)"), at the first prompt length."""
     out = {}
-    for r in payload.get("rows") or []:
-        if not isinstance(r, dict) or r.get("phase") != "prefill" or r.get("error") or not r.get("ms"):
-            continue
+    for r in _prefill_rows(payload):
         total = next((t for name, t in r.get("top_kernels") or [] if name == "(all kernels)"), None)
-        if total:
-            out.setdefault((r.get("model"), r.get("batch"), r.get("mode"), bool(r.get("compiled"))),
-                           (r["ms"], total / 1000))
+        if total and r.get("ms"):
+            out.setdefault(_key(r), (r["ms"], total / 1000))
     return out
 
 
 def prefill(payload: dict) -> dict:
     """{(model, batch, mode, compiled): ms per token} of the prefill rows that ran, at the first prompt length."""
-    rows = [r for r in payload.get("rows") or [] if isinstance(r, dict) and r.get("phase") == "prefill"
-            and not r.get("error") and r.get("ms_per_token")]
     out = {}
-    for r in rows:
-        out.setdefault((r.get("model"), r.get("batch"), r.get("mode"), bool(r.get("compiled"))), r["ms_per_token"])
+    for r in _prefill_rows(payload):
+        if r.get("ms_per_token"):
+            out.setdefault(_key(r), r["ms_per_token"])
     return out
 
 
