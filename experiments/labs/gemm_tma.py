@@ -268,6 +268,38 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
     return rows
 
 
+def report(paths) -> str:
+    """Per weight and M: time over cuBLAS's dense GEMM of nf4.linear, the best exact lab candidate, the best dense
+    control (the skeleton with nothing to decode) and the no-lookup control."""
+    out = []
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        out += [f"{d['device']} ({d['environment'].get('commit', '?')}): time / cuBLAS dense", "",
+                "| N x K | M | cuBLAS us | nf4.linear | best exact lab (name) | best dense control | no lookup |",
+                "|---|---|---|---|---|---|---|"]
+        groups: dict = {}
+        for r in d["rows"]:
+            groups.setdefault((r["N"], r["K"], r["M"]), []).append(r)
+        for (n, k, m), rows in groups.items():
+            us = {r["provider"]: r.get("graph_us") for r in rows if r.get("graph_us")}
+            dense = us.get("cublas_dense")
+            if not dense:
+                continue
+
+            def best(pred, rows=rows, us=us):
+                c = [(us[r["provider"]], r["provider"]) for r in rows if r["provider"] in us and pred(r)]
+                return min(c) if c else (float("nan"), "-")
+
+            exact = best(lambda r: r["provider"] in CANDIDATES and CANDIDATES[r["provider"]][0] == 0
+                         and r.get("operand_mismatches") == 0 and r.get("random_within_bound"))
+            control = best(lambda r: r["provider"] in CANDIDATES and CANDIDATES[r["provider"]][0] == 1)
+            nolookup = best(lambda r: r["provider"] in CANDIDATES and CANDIDATES[r["provider"]][0] == 2)
+            out.append(f"| {n} x {k} | {m} | {dense:.1f} | {us.get('nf4.linear', float('nan')) / dense:.2f} | "
+                       f"{exact[0] / dense:.2f} ({exact[1]}) | {control[0] / dense:.2f} | {nolookup[0] / dense:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.labs.gemm_tma", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,7 +307,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", nargs="+", type=int, default=[128, 256, 512, 1024])
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     ap.add_argument("--out", default="build/labs/gemm_tma.json")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print a markdown table and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
     if not torch.cuda.is_available():
         print("gemm_tma needs a CUDA GPU (sm_90)")
         return 2
