@@ -42,7 +42,7 @@ def launches_of(fn) -> int:
                and not e.name.startswith("Memset"))
 
 
-def race(n: int, k: int, ms, names, dtype, log=print) -> list[dict]:
+def race(n: int, k: int, ms, names, dtype, log=print, count_launches: bool = True) -> list[dict]:
     import bitsandbytes.functional as F
 
     import nf4
@@ -62,7 +62,8 @@ def race(n: int, k: int, ms, names, dtype, log=print) -> list[dict]:
             try:
                 y = nf4.linear(x, sets[0][0], sets[0][1], config=config)
                 row["operand_mismatches"] = operand_mismatches(y, wd, cols, scales)
-                row["launches"] = launches_of(lambda x=x, c=config: nf4.linear(x, sets[0][0], sets[0][1], config=c))
+                if count_launches:
+                    row["launches"] = launches_of(lambda x=x, c=config: nf4.linear(x, sets[0][0], sets[0][1], config=c))
                 g = timing.graph_time_us(lambda i, x=x, c=config: nf4.linear(x, *sets[i % len(sets)], config=c),
                                          list(range(len(sets))))
                 row["graph_us"] = g and g.get("median_us")
@@ -123,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", default="build/labs/config_race.json")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print the summary of race files")
+    ap.add_argument("--no-launches", action="store_true", help="skip the profiler's launch count (faster)")
     args = ap.parse_args(argv)
     from experiments import catalog as cat
     from experiments.catalog_bench import parse_part, select_part
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
            "configs": args.configs, "ms": args.ms, "rows": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for n, k in shapes:
-        out["rows"] += race(n, k, args.ms, args.configs, dtype)
+        out["rows"] += race(n, k, args.ms, args.configs, dtype, count_launches=not args.no_launches)
         out["summary"] = summary(out["rows"], fit)
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))  # after every shape: a cut run keeps them
     print(f"wrote {args.out}")
