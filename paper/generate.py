@@ -16,6 +16,7 @@ stderr):
                                   when experiments.json carries no sm75 section
     results/catalog/dequant_<gpu>.json  python -m experiments catalog-bench dequant: the shape catalog
     results/labs/gemv_skeletons_<gpu>.json  python -m experiments.labs.gemv_lut: the GEMV lab's skeletons
+    results/labs/gemm_tma_<gpu>.json  python -m experiments.labs.gemm_tma: the GEMM lab
     results/linear/bench_<gpu>.json   python -m experiments bench-linear (gpu: h100, h200): the fused
     results/linear/bench2_<gpu>.json  linear against its peers, bf16 on the bar weights (bench) and fp16
                                   on four more weights (bench2)
@@ -49,6 +50,7 @@ from paper.sections import (
     decode,
     experiments,
     fsdp,
+    gemm_lab,
     gemm_limit,
     gemv_limit,
     known,
@@ -90,6 +92,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/linear/", linear.build, linear.load(doc))
     doc.section("results/linear/gemv_limit_<gpu>.json", gemv_limit.build, gemv_limit.load(doc))
     doc.section("results/linear/gemm_limit_<gpu>.json", gemm_limit.build, gemm_limit.load(doc))
+    doc.section("results/labs/gemm_tma_<gpu>.json", gemm_lab.build, gemm_lab.load(doc))
     doc.section("results/linear/bounds/bounds_<gpu>.json", bounds.build, bounds.load(doc))
     doc.section("results/linear/ncu/", ncu.build, ncu.load(doc), ncu.load_sweep(doc))
     doc.section("results/qlora_<gpu>.json", qlora.build, qlora.load(doc))
