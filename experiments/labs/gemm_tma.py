@@ -185,6 +185,38 @@ def lab_gemm(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.Te
     return out
 
 
+def build_facts(cand: str, arch: int = 90) -> dict:
+    """An offline build of candidate `cand` for sm_<arch> (no GPU; TRITON_INTERPRET must be off): registers, local
+    memory, whether a wgmma takes its A operand from registers, the most wgmma groups a wait leaves in flight, and
+    the block-wide barriers in the kernel."""
+    import re
+
+    import triton.compiler
+    from triton.backends.compiler import GPUTarget
+
+    from . import sass_count as sc
+
+    mode, bm, bn, warps, stages, swap, _, split = CANDIDATES[cand]
+    w = f"tensordesc<bf16[{bn}, 64]>" if mode == 1 else f"tensordesc<i32[{bn}, 8]>"
+    sig = {"x_desc": f"tensordesc<bf16[{bm}, 64]>", "w_desc": w, "absmax_ptr": "*u8", "absmax2_ptr": "*fp32",
+           "code2_ptr": "*fp32", "offset_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32",
+           "N": "i32", "K": "i32"}
+    const = {"MODE": mode, "BM": bm, "BN": bn, "GROUP_M": 8, "PROGS": 132, "STAGES": stages, "SWAP": swap,
+             "SPLIT": split or 4}
+    fn = lab_gemm_tma_kernel
+    sig.update({name: "constexpr" for name in const})
+    src = triton.compiler.ASTSource(fn=fn, signature=sig,
+                                    constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
+    sass = sc.disassemble(compiled.asm["cubin"])
+    waits = [int(v, 16) for v in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", sass)]
+    return {**sc.registers(compiled.asm["cubin"]), "candidate": cand, "arch": f"sm_{arch}",
+            "wgmma_register_a": bool(re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)),
+            "wgmma_in_flight": max(waits) if waits else None,
+            "bar_sync": len(re.findall(r"BAR\.SYNC", sass)), "triton": triton.__version__}
+
+
 def _set_allocator():
     """Triton asks for a global scratch allocator when a kernel makes device-side descriptors; harmless here."""
     try:
@@ -308,9 +340,14 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     ap.add_argument("--out", default="build/labs/gemm_tma.json")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print a markdown table and exit")
+    ap.add_argument("--build", nargs="+", default=None, metavar="CANDIDATE",
+                    help="offline sm_90 builds of these candidates: print their facts as JSON and exit (no GPU)")
     args = ap.parse_args(argv)
     if args.report:
         print(report(args.report))
+        return 0
+    if args.build:
+        print(json.dumps([build_facts(c) for c in args.build]))
         return 0
     if not torch.cuda.is_available():
         print("gemm_tma needs a CUDA GPU (sm_90)")
