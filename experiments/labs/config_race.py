@@ -9,7 +9,8 @@
 --shapes takes NxK items and the catalog's names (all, fit, held-out); --part i/n races shapes i, i + n, ... of
 them, so a catalog sweep can be split over device calls. The file is written after every shape. --report prints,
 per subset of the catalog, how far the table's pick ("tuned") is from the best config raced at each shape, M and
-dtype (`summary`: the catalog issue's bar is within 10 %).
+dtype (`summary`: the catalog issue's bar is within 10 %); with --current it judges this commit's table instead of the
+one timed, from the raced configs' times, and counts inversions.
 
 For each weight (bitsandbytes NF4, blocksize 64, nested, rotated through more than L2 as in gemv_lut) and M, each
 config (a name of nf4/linear/tuned.json's configs) runs through `nf4.linear(x, packed, state, config=...)`: first on
@@ -78,21 +79,31 @@ def race(n: int, k: int, ms, names, dtype, log=print, count_launches: bool = Tru
     return rows
 
 
-def summary(rows: list[dict], fit: set | None = None) -> dict:
-    """Per subset ("fit" where (N, K) is in `fit`, else "held-out"; "all" when fit is None): the rows (shape, M,
-    dtype) where "tuned" and at least one raced config ran exactly, the tuned time over the best raced time there
-    (min, median, max), how many are within 10 %, and the worst with its best config."""
+def _groups(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """{(N, K, M, dtype): {config: graph us}} of the exact timed rows."""
     groups: dict[tuple, dict[str, float]] = {}
     for r in rows:
         if r.get("graph_us") and r.get("operand_mismatches") == 0:
             groups.setdefault((r["N"], r["K"], r["M"], r["dtype"]), {})[r["config"]] = r["graph_us"]
+    return groups
+
+
+def summary(rows: list[dict], fit: set | None = None, pick=None, single: bool = False) -> dict:
+    """Per subset ("fit" where (N, K) is in `fit`, else "held-out"; "all" when fit is None): the rows (shape, M,
+    dtype) where "tuned" and at least one raced config ran exactly, the tuned time over the best raced time there
+    (min, median, max), how many are within 10 %, and the worst with its best config.
+
+    pick(n, k, m): the config name to judge instead of the one timed as "tuned" (the table of another commit; rows
+    where it was not raced are left out). single: the best is taken over one-launch configs only at M <= 8
+    (SPLIT_K_CONFIGS cost a second launch there)."""
     out: dict[str, dict] = {}
-    for (n, k, m, dtype), times in sorted(groups.items()):
-        raced = {c: t for c, t in times.items() if c != "tuned"}
-        if "tuned" not in times or not raced:
+    for (n, k, m, dtype), times in sorted(_groups(rows).items()):
+        raced = {c: t for c, t in times.items() if c != "tuned" and not (single and m <= 8 and c in SPLIT_K_CONFIGS)}
+        choice = "tuned" if pick is None else pick(n, k, m)
+        if choice not in times or not raced:
             continue
         best = min(raced, key=raced.get)
-        ratio = times["tuned"] / min(times["tuned"], raced[best])
+        ratio = times[choice] / min(times[choice], raced[best])
         subset = "all" if fit is None else ("fit" if (n, k) in fit else "held-out")
         s = out.setdefault(subset, {"rows": 0, "within_10pct": 0, "ratios": [], "worst": None})
         s["rows"] += 1
@@ -104,6 +115,34 @@ def summary(rows: list[dict], fit: set | None = None) -> dict:
         r = sorted(s.pop("ratios"))
         s.update(min=r[0], median=statistics.median(r), max=r[-1])
     return out
+
+
+SPLIT_K_CONFIGS = ("GEMV_MMA16",)  # the raced configs whose auto split-K sums in a second launch
+
+
+def inversions(rows: list[dict], pick=None) -> dict:
+    """Pairs of M (M <= 16) on one shape and dtype where the larger M runs more than 3 % faster than the smaller, for
+    the timed "tuned" config or pick(n, k, m)'s: {"pairs": .., "inversions": ..}."""
+    per: dict[tuple, dict[int, float]] = {}
+    for (n, k, m, dtype), times in _groups(rows).items():
+        choice = "tuned" if pick is None else pick(n, k, m)
+        if m <= 16 and choice in times:
+            per.setdefault((n, k, dtype), {})[m] = times[choice]
+    pairs = inv = 0
+    for ts in per.values():
+        for a in ts:
+            for b in ts:
+                if a < b:
+                    pairs += 1
+                    inv += ts[b] < ts[a] / 1.03
+    return {"pairs": pairs, "inversions": inv}
+
+
+def current_pick(device: str):
+    """pick(n, k, m) of the tuned table at this commit on the named GPU (nf4.linear.tuned), as a config name."""
+    from nf4.linear import tuned
+
+    return lambda n, k, m: tuned.NAMES.get(tuned.tuned(device, m, n=n, k=k))
 
 
 def expand_shapes(items) -> list[tuple[int, int]]:
@@ -125,14 +164,27 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="build/labs/config_race.json")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print the summary of race files")
     ap.add_argument("--no-launches", action="store_true", help="skip the profiler's launch count (faster)")
+    ap.add_argument("--current", action="store_true",
+                    help="with --report: judge this commit's table (its pick among the raced configs) beside the timed "
+                         "one, against the best one-launch config at M <= 8, and count inversions")
     args = ap.parse_args(argv)
     from experiments import catalog as cat
     from experiments.catalog_bench import parse_part, select_part
 
     fit = {(sh.n, sh.k) for sh in cat.fit_shapes()}
     if args.report:
-        rows = [r for path in args.report for r in json.loads(Path(path).read_text())["rows"]]
-        print(json.dumps(summary(rows, fit), indent=1))
+        payloads = [json.loads(Path(path).read_text()) for path in args.report]
+        rows = [r for p in payloads for r in p["rows"]]
+        if not args.current:
+            print(json.dumps(summary(rows, fit), indent=1))
+            return 0
+        pick = current_pick(payloads[0].get("device", ""))
+        print(json.dumps({"device": payloads[0].get("device"),
+                          "timed_table": {"vs_one_launch": summary(rows, fit, single=True),
+                                          "inversions": inversions(rows)},
+                          "current_table": {"vs_one_launch": summary(rows, fit, pick, single=True),
+                                            "vs_all": summary(rows, fit, pick), "inversions": inversions(rows, pick)}},
+                         indent=1))
         return 0
     from nf4.linear import tuned
 

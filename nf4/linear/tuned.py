@@ -70,18 +70,34 @@ SHORT_ROWS_DEQUANT_64 = ("H200",)
 LARGE_WEIGHT = 8192 * 4096  # weights from which the word GEMM rows take rows of 4096-8191 weights
 
 
+# GPUs whose single-launch GEMV rows (M <= 16) follow the shape catalog's config race: on the H100,
+# `python -m experiments.labs.config_race --configs GEMV_MMA_WK GEMV_MMA_WK16 GEMV_MMA_WK4 GEMV_MMA16 --ms 1 4 8 16
+# --shapes all` (results/labs/config_race_catalog_h100.json). Against the fastest single-launch config raced at each
+# shape and M, the rules below are more than 10 % slower on 12 of 416 rows of the fit subset (the rows before them:
+# 70) and on 6 of 200 held-out rows (before: 28); the median is 1.00 on both (before: 1.01).
+GEMV_RULE_GPUS = ("H100",)
+ROW_ALIGN = 256  # bytes: rows whose packed length is not a multiple take GEMV_MMA_WK16's 512-byte K steps
+MANY_ROWS = 2304  # weights of at least this many rows (16-row programs: 144 or more) take GEMV_MMA_WK4 at M <= 4
+LONG_ROW = 11008  # ... unless their rows are longer than this
+TALL = 16384  # M = 9-16: weights of at least this many rows take GEMV_MMA_WK16 (one launch) over GEMV_MMA16
+
+
 def for_shape(config: LinearConfig, m: int, n: int, k: int, gpu: str = "") -> LinearConfig:
     """The config a tuned row gives way to on a weight of n x k that it fits badly on the named GPU; any other config
     unchanged.
 
-    Rules (from sweeps over six weights on both GPUs; the measurements are in tuned.json's sources):
+    Rules (from sweeps over six weights on both GPUs, and the catalog's config race where GEMV_RULE_GPUS says; the
+    measurements are in tuned.json's sources):
     - M = 17-32: a weight of at most SMALL_WEIGHT weights takes GEMV_MMA32; a large weight (LARGE_WEIGHT or
       more) with rows of 4096-8191 weights WORD_GEMM32_S8.
     - M = 33-64, on the GPUs of SHORT_ROWS_DEQUANT_64: rows shorter than 2048 take DEQUANT.
     - M = 65-128: rows shorter than 4096 take DEQUANT; large weights with rows of 4096-8191 WORD_GEMM128_W8.
     - M = 129-256: rows shorter than 8192 take DEQUANT, except large weights with rows of 4096 or more.
-    - M <= 4: rows shorter than two steps of a GEMV_MMA_WK warp take GEMV_MMA_WK4; 14336-16384 rows of 4096
-      weights take GEMV_MMA_WK2 (one program of 128 rows per multiprocessor).
+    - M <= 4: 14336-16384 rows of 4096 weights take GEMV_MMA_WK2 (one program of 128 rows per multiprocessor).
+    - The single-launch GEMV rows on the GPUs of GEMV_RULE_GPUS: at M <= 8, rows whose packed bytes are not a
+      multiple of ROW_ALIGN take GEMV_MMA_WK16; else at M <= 4 a weight of MANY_ROWS rows or more with rows of at
+      most LONG_ROW weights takes GEMV_MMA_WK4. At M = 9-16 a weight of TALL rows or more takes GEMV_MMA_WK16.
+    - Elsewhere, M <= 4: rows shorter than two steps of a GEMV_MMA_WK warp take GEMV_MMA_WK4.
     """
     large_short = 4096 <= k < 8192 and n * k >= LARGE_WEIGHT
     if config is WORD_GEMM32 and n * k <= SMALL_WEIGHT:
@@ -94,12 +110,21 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int, gpu: str = "") -> Li
         return DEQUANT
     if config is WORD_GEMM128 and large_short:
         return WORD_GEMM128_W8
-    if m > 4 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
+    raced = any(g in gpu for g in GEMV_RULE_GPUS)
+    if config is GEMV_MMA16 and 9 <= m <= 16 and raced and n >= TALL:
+        return GEMV_MMA_WK16
+    if m > 8 or (config is not GEMV_MMA_WK and config is not GEMV_MMA_WK16):
         return config
-    if k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:
-        return GEMV_MMA_WK4
-    if k == 4096 and 14336 <= n <= 16384:
+    if m <= 4 and k == 4096 and 14336 <= n <= 16384:
         return GEMV_MMA_WK2
+    if raced:
+        if (k // 2) % ROW_ALIGN:
+            return GEMV_MMA_WK16
+        if m <= 4 and n >= MANY_ROWS and k <= LONG_ROW:
+            return GEMV_MMA_WK4
+        return config
+    if m <= 4 and k // 2 < 2 * GEMV_MMA_WK.warps_k * 4 * GEMV_MMA_WK.step_bytes:
+        return GEMV_MMA_WK4
     return config
 
 

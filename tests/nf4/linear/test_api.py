@@ -461,13 +461,16 @@ def test_tuned_rows_for_a_weights_shape():
     small weights (M = 17-32), to nf4.dequantize + cuBLAS on rows under 2048 (M = 33-64, the H200 only), on rows
     under 4096 (M = 65-128) and on rows under 8192
     of weights under LARGE_WEIGHT (M = 129-256), to WORD_GEMM128_W8 (M = 65-128) and WORD_GEMM32_S8 (M = 17-32)
-    on rows of 4096-8191 of larger weights; at M <= 4 the
-    single-launch rows become GEMV_MMA_WK4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8
-    warps (2048 bytes), and GEMV_MMA_WK2 on 14336-16384 rows of 4096 weights; every other row and M, a weight of few
-    rows, the backward, a call without the shape and
-    the interpreter's rows are as before."""
+    on rows of 4096-8191 of larger weights; at M <= 4 the single-launch rows become GEMV_MMA_WK2 on 14336-16384 rows
+    of 4096 weights; on the H100 (the catalog's config race) rows of packed bytes not a multiple of 256 take
+    GEMV_MMA_WK16 at M <= 8, weights of 2304 rows or more with rows of at most 11008 weights GEMV_MMA_WK4 at
+    M <= 4, and weights of 16384 rows or more GEMV_MMA_WK16 at M = 9-16; on other GPUs the single-launch rows
+    become GEMV_MMA_WK4 at M <= 4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8 warps (2048
+    bytes); every other row and M, the backward, a call without the shape and the interpreter's rows are as
+    before."""
     from nf4.linear.tuned import (
         DEQUANT,
+        GEMV_MMA16,
         GEMV_MMA32,
         GEMV_MMA_WK,
         GEMV_MMA_WK2,
@@ -490,19 +493,31 @@ def test_tuned_rows_for_a_weights_shape():
     def at(m, n, k, name=h100, backward=False):
         return tuned(name, m, backward, n=n, k=k)
 
+    h200 = "NVIDIA H200"
     for m in (1, 2, 3, 4, 5, 8):
-        short = GEMV_MMA_WK4 if m <= 4 else tuned(h100, m)
-        tall = GEMV_MMA_WK2 if m <= 4 else tuned(h100, m)  # 14336-16384 rows of 4096 weights: 112-128 programs
+        row = tuned(h100, m)  # GEMV_MMA_WK to M = 2, GEMV_MMA_WK16 to 8
+        tall = GEMV_MMA_WK2 if m <= 4 else row  # 14336-16384 rows of 4096 weights: 112-128 programs
         assert at(m, 14336, 4096) is tall and at(m, 16384, 4096) is tall, m
-        assert at(m, 14336, 4096, name="NVIDIA H200") is tall, m
-        assert at(m, 12288, 4096) is tuned(h100, m) and at(m, 16512, 4096) is tuned(h100, m), m
-        assert at(m, 4096, 14336) is tuned(h100, m) and at(m, 14336, 8192) is tuned(h100, m), m
-        assert at(m, 14336, 4096 - 128) is short, m
-        assert at(m, 8192, 2048) is short, m
-        assert at(m, 1024, 2048) is short, m  # few rows change nothing (split-K would cost a second launch)
-        assert at(m, 1024, 4096) is tuned(h100, m), m
+        assert at(m, 14336, 4096, name=h200) is tall, m
+        # the H100 (GEMV_RULE_GPUS): rows whose packed bytes are not a multiple of 256 take GEMV_MMA_WK16
+        for n, k in ((8192, 29568), (2048, 5504), (64, 896), (14336, 4096 - 128)):
+            assert at(m, n, k) is GEMV_MMA_WK16, (m, n, k)
+        # ... else at M <= 4, 2304 rows or more of at most 11008 weights take GEMV_MMA_WK4
+        many = GEMV_MMA_WK4 if m <= 4 else row
+        for n, k in ((2304, 4096), (12288, 4096), (16512, 4096), (8192, 2048), (4096, 10240)):
+            assert at(m, n, k) is many, (m, n, k)
+        for n, k in ((2303, 4096), (1024, 2048), (4096, 14336), (14336, 14336), (4096, 11264)):
+            assert at(m, n, k) is row, (m, n, k)
+        # other GPUs keep the earlier rule: rows under two steps of a GEMV_MMA_WK warp take GEMV_MMA_WK4 at M <= 4
+        short = GEMV_MMA_WK4 if m <= 4 else row
+        assert at(m, 14336, 4096 - 128, name=h200) is short and at(m, 1024, 2048, name=h200) is short, m
+        assert at(m, 12288, 4096, name=h200) is row and at(m, 8192, 29568, name=h200) is row, m
     assert tuned(h100, 1) is GEMV_MMA_WK and tuned(h100, 8) is GEMV_MMA_WK16
-    for m in (16, 64, 1024):  # past the single-launch rows: unchanged
+    # M = 9-16 on the H100: weights of 16384 rows or more take GEMV_MMA_WK16 (one launch) over GEMV_MMA16 (split-K)
+    for m in (9, 16):
+        assert at(m, 16384, 4096) is GEMV_MMA_WK16 and at(m, 59136, 8192) is GEMV_MMA_WK16, m
+        assert at(m, 16383, 4096) is GEMV_MMA16 and at(m, 59136, 8192, name=h200) is GEMV_MMA16, m
+    for m in (64, 1024):  # past the single-launch rows: unchanged
         assert at(m, 1024, 2048) is tuned(h100, m), m
     # the word tl.dot rows: a small weight keeps GEMV_MMA32 at M = 17-32, rows under 4096 take nf4.dequantize +
     # cuBLAS at M = 65-128
@@ -524,7 +539,6 @@ def test_tuned_rows_for_a_weights_shape():
     assert WORD_GEMM128_W8.with_(num_warps=4, split_k=0) == WORD_GEMM128
     assert at(64, 8192, 2048) is WORD_GEMM64 and at(129, 4096, 4096) is DEQUANT
     # M = 33-64 on the H200: rows under 2048 weights take nf4.dequantize + cuBLAS (the H100's rows keep the word GEMM)
-    h200 = "NVIDIA H200"
     for m in (33, 64):
         assert at(m, 8192, 2048 - 64, name=h200) is DEQUANT and at(m, 896, 896, name=h200) is DEQUANT, m
         assert at(m, 8192, 2048, name=h200) is WORD_GEMM64 and at(m, 896, 896) is WORD_GEMM64, m
@@ -540,9 +554,9 @@ def test_tuned_rows_for_a_weights_shape():
     assert at(257, 4096, 14336) is DEQUANT and tuned(h100, 256) is WORD_GEMM256
     assert at(1, 1024, 2048, backward=True) is tuned(h100, 1, True)  # the backward rows are not adjusted
     assert at(1, 1024, 2048, name="") is pick(INTERPRETER["forward"], 1)  # nor the interpreter's
-    assert tuned("NVIDIA H200", 1, n=8192, k=2048) is GEMV_MMA_WK4  # the H100's rows apply to the H200
+    assert tuned("NVIDIA H200", 1) is tuned(h100, 1)  # the H100's table rows apply to the H200
     mine = GEMV_MMA_WK16.with_(programs_per_sm=4)  # a config of the caller's own is never adjusted
-    assert for_shape(mine, 1, 8192, 2048) is mine
+    assert for_shape(mine, 1, 8192, 2048, h100) is mine
 
 
 @pytest.mark.parametrize("trans", [False, True], ids=["forward", "backward"])
