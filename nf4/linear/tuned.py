@@ -63,10 +63,10 @@ def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
 
 SMALL_WEIGHT = 1024 * 4096
 # GPUs whose M = 33-64 row gives way to nf4.dequantize + cuBLAS on rows under 2048 weights: measured over the shape
-# catalog on the H200 (results/catalog/linear_h200.json: on the catalog's fit subset 38 rows, dequantize + cuBLAS
-# took a median 0.81x the word GEMM's time; on the held-out subset 10 rows, 0.82x, none slower); the H100 has no
-# catalog run yet
-SHORT_ROWS_DEQUANT_64 = ("H200",)
+# catalog (results/catalog/linear_<gpu>.json). Against the word GEMM's time, dequantize + cuBLAS took a median 0.81x
+# on the fit subset's 38 rows (2 slower by more than 3 %) and 0.82x on the held-out subset's 10 rows (none slower)
+# on the H200; 0.83x (2 slower) and 0.84x (none slower) on the H100
+SHORT_ROWS_DEQUANT_64 = ("H200", "H100")
 LARGE_WEIGHT = 8192 * 4096  # weights from which the word GEMM rows take rows of 4096-8191 weights
 
 

@@ -458,7 +458,7 @@ def test_warps_k_config_falls_back_where_the_tensor_core_gemv_cannot_run(nf4h):
 
 def test_tuned_rows_for_a_weights_shape():
     """tuned.tuned with the weight's shape (tuned.for_shape): the word tl.dot rows give way to GEMV_MMA32 on
-    small weights (M = 17-32), to nf4.dequantize + cuBLAS on rows under 2048 (M = 33-64, the H200 only), on rows
+    small weights (M = 17-32), to nf4.dequantize + cuBLAS on rows under 2048 (M = 33-64, H200 and H100), on rows
     under 4096 (M = 65-128) and on rows under 8192
     of weights under LARGE_WEIGHT (M = 129-256), to WORD_GEMM128_W8 (M = 65-128) and WORD_GEMM32_S8 (M = 17-32)
     on rows of 4096-8191 of larger weights; at M <= 4 the single-launch rows become GEMV_MMA_WK2 on 14336-16384 rows
@@ -538,10 +538,12 @@ def test_tuned_rows_for_a_weights_shape():
     assert WORD_GEMM128_W8.split_k == 1 and WORD_GEMM128_W8.num_warps == 8
     assert WORD_GEMM128_W8.with_(num_warps=4, split_k=0) == WORD_GEMM128
     assert at(64, 8192, 2048) is WORD_GEMM64 and at(129, 4096, 4096) is DEQUANT
-    # M = 33-64 on the H200: rows under 2048 weights take nf4.dequantize + cuBLAS (the H100's rows keep the word GEMM)
+    # M = 33-64 on the H200 and the H100: rows under 2048 weights take nf4.dequantize + cuBLAS (other GPUs keep the
+    # word GEMM)
     for m in (33, 64):
         assert at(m, 8192, 2048 - 64, name=h200) is DEQUANT and at(m, 896, 896, name=h200) is DEQUANT, m
-        assert at(m, 8192, 2048, name=h200) is WORD_GEMM64 and at(m, 896, 896) is WORD_GEMM64, m
+        assert at(m, 8192, 2048, name=h200) is WORD_GEMM64 and at(m, 896, 896) is DEQUANT, m
+        assert at(m, 896, 896, name="NVIDIA A100-SXM4-80GB") is WORD_GEMM64, m
     assert at(32, 896, 896, name=h200) is GEMV_MMA32 and at(65, 896, 896, name=h200) is DEQUANT
     # M = 129-256: 256 rows of x per W tile on rows of 8192 weights or more and on weights of LARGE_WEIGHT weights
     # or more, nf4.dequantize + cuBLAS on the others
