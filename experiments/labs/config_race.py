@@ -164,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="build/labs/config_race.json")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print the summary of race files")
     ap.add_argument("--no-launches", action="store_true", help="skip the profiler's launch count (faster)")
+    ap.add_argument("--out-report", default=None, metavar="JSON", help="with --report --current: also write it here")
     ap.add_argument("--current", action="store_true",
                     help="with --report: judge this commit's table (its pick among the raced configs) beside the timed "
                          "one, against the best one-launch config at M <= 8, and count inversions")
@@ -179,12 +180,23 @@ def main(argv=None) -> int:
             print(json.dumps(summary(rows, fit), indent=1))
             return 0
         pick = current_pick(payloads[0].get("device", ""))
-        print(json.dumps({"device": payloads[0].get("device"),
-                          "timed_table": {"vs_one_launch": summary(rows, fit, single=True),
-                                          "inversions": inversions(rows)},
-                          "current_table": {"vs_one_launch": summary(rows, fit, pick, single=True),
-                                            "vs_all": summary(rows, fit, pick), "inversions": inversions(rows, pick)}},
-                         indent=1))
+
+        def judged(rows):
+            return {"timed_table": {"vs_one_launch": summary(rows, fit, single=True), "inversions": inversions(rows)},
+                    "current_table": {"vs_one_launch": summary(rows, fit, pick, single=True),
+                                      "vs_all": summary(rows, fit, pick), "inversions": inversions(rows, pick)}}
+
+        from verify import timing
+
+        out = {"device": payloads[0].get("device"), "judged_at": timing.git_commit(), "sources": args.report,
+               **judged(rows)}
+        repeat = [r for p in payloads for r in (p.get("repeat") or {}).get("rows") or []]
+        if repeat:
+            out["repeat"] = judged(repeat)
+        text = json.dumps(out, indent=1)
+        print(text)
+        if args.out_report:
+            Path(args.out_report).write_text(text + "\n")
         return 0
     from nf4.linear import tuned
 
