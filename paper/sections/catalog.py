@@ -33,7 +33,14 @@ LAB = (("nf4.linear", "nf4.linear"), ("none_fs", "control, no decode"), ("prmt",
 
 def load(doc: Document) -> dict:
     """{"dequant": {gpu tag: payload}, "lab": {gpu tag: payload}}: the files present (each missing one noted)."""
-    out = {"dequant": {}, "lab": {}, "bulk": {}, "sass": None, "linear": {}}
+    out = {"dequant": {}, "lab": {}, "bulk": {}, "sass": None, "linear": {}, "race": {}}
+    for tag, _, label in GPUS:
+        name = f"labs/config_race_judged_{tag}.json"  # a lab run: no note where a GPU has none
+        if (doc.results / name).exists():
+            payload = doc.load(name, label="experiments.labs.config_race --report --current",
+                               required_for=f"config race paragraph, {label}")
+            if isinstance(payload, dict):
+                out["race"][tag] = payload
     if (doc.results / "labs/sass_sm90.json").exists():  # offline builds: no GPU, one file
         payload = doc.load("labs/sass_sm90.json", label="experiments.labs.sass_count", required_for="SASS table")
         out["sass"] = payload if isinstance(payload, dict) else None
@@ -101,6 +108,25 @@ def build(doc: Document, data: dict) -> None:
     _lab(doc, data.get("lab") or {})
     _bulk(doc, data.get("bulk") or {})
     _sass(doc, data.get("sass"))
+    _race(doc, data.get("race") or {})
+
+
+def _race(doc: Document, race: dict) -> None:
+    """Macros of the config race's judged report per GPU: rows, rows more than 10 % slower than the best one-launch
+    config (the table as timed, and this commit's), inversions; the same on the repeat run."""
+    for tag, g, _ in GPUS:
+        p = race.get(tag) or {}
+        doc.macro(f"NFraceCommit{g}", tex(str(p.get("judged_at", NM))[:7]) if p else NM)
+        for run, stem in ((p, ""), (p.get("repeat") or {}, "Rep")):
+            for table, tstem in (("timed_table", "Timed"), ("current_table", "Now")):
+                t = run.get(table) or {}
+                for sub, sstem in (("fit", "Fit"), ("held-out", "Held")):
+                    v = (t.get("vs_one_launch") or {}).get(sub)
+                    doc.macro(f"NFrace{stem}{tstem}{sstem}Rows{g}", integer(v["rows"]) if v else NM)
+                    doc.macro(f"NFrace{stem}{tstem}{sstem}Over{g}", integer(v["rows"] - v["within_10pct"]) if v else NM)
+                inv = t.get("inversions")
+                doc.macro(f"NFrace{stem}{tstem}Inv{g}", integer(inv["inversions"]) if inv else NM)
+                doc.macro(f"NFrace{stem}{tstem}Pairs{g}", integer(inv["pairs"]) if inv else NM)
 
 
 def _table(doc: Document, sums: dict) -> None:
