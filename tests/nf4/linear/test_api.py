@@ -462,8 +462,8 @@ def test_tuned_rows_for_a_weights_shape():
     under 4096 (M = 65-128) and on rows under 8192
     of weights under LARGE_WEIGHT (M = 129-256), to WORD_GEMM128_W8 (M = 65-128) and WORD_GEMM32_S8 (M = 17-32)
     on rows of 4096-8191 of larger weights; at M <= 4 the single-launch rows become GEMV_MMA_WK2 on 14336-16384 rows
-    of 4096 weights; on the H100 (the catalog's config race) rows of packed bytes not a multiple of 256 take
-    GEMV_MMA_WK16 at M <= 8, weights of 2304 rows or more with rows of at most 11008 weights GEMV_MMA_WK4 at
+    of 4096 weights; on the H100 and the H200 (the catalog's config race) rows of packed bytes not a multiple of 256
+    take GEMV_MMA_WK16 at M <= 8, weights of 2304 rows or more with rows of at most 11008 weights GEMV_MMA_WK4 at
     M <= 4, and weights of 16384 rows or more GEMV_MMA_WK16 at M = 9-16; on other GPUs the single-launch rows
     become GEMV_MMA_WK4 at M <= 4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8 warps (2048
     bytes); every other row and M, the backward, a call without the shape and the interpreter's rows are as
@@ -508,15 +508,19 @@ def test_tuned_rows_for_a_weights_shape():
             assert at(m, n, k) is many, (m, n, k)
         for n, k in ((2303, 4096), (1024, 2048), (4096, 14336), (14336, 14336), (4096, 11264)):
             assert at(m, n, k) is row, (m, n, k)
-        # other GPUs keep the earlier rule: rows under two steps of a GEMV_MMA_WK warp take GEMV_MMA_WK4 at M <= 4
+        # the H200 takes the same rules (GEMV_RULE_GPUS); other GPUs keep the earlier one: rows under two steps of a
+        # GEMV_MMA_WK warp take GEMV_MMA_WK4 at M <= 4
+        assert at(m, 8192, 29568, name=h200) is GEMV_MMA_WK16 and at(m, 12288, 4096, name=h200) is many, m
+        a100 = "NVIDIA A100-SXM4-80GB"
         short = GEMV_MMA_WK4 if m <= 4 else row
-        assert at(m, 14336, 4096 - 128, name=h200) is short and at(m, 1024, 2048, name=h200) is short, m
-        assert at(m, 12288, 4096, name=h200) is row and at(m, 8192, 29568, name=h200) is row, m
+        assert at(m, 14336, 4096 - 128, name=a100) is short and at(m, 1024, 2048, name=a100) is short, m
+        assert at(m, 12288, 4096, name=a100) is row and at(m, 8192, 29568, name=a100) is row, m
     assert tuned(h100, 1) is GEMV_MMA_WK and tuned(h100, 8) is GEMV_MMA_WK16
     # M = 9-16 on the H100: weights of 16384 rows or more take GEMV_MMA_WK16 (one launch) over GEMV_MMA16 (split-K)
     for m in (9, 16):
         assert at(m, 16384, 4096) is GEMV_MMA_WK16 and at(m, 59136, 8192) is GEMV_MMA_WK16, m
-        assert at(m, 16383, 4096) is GEMV_MMA16 and at(m, 59136, 8192, name=h200) is GEMV_MMA16, m
+        assert at(m, 59136, 8192, name=h200) is GEMV_MMA_WK16, m
+        assert at(m, 16383, 4096) is GEMV_MMA16 and at(m, 59136, 8192, name="NVIDIA A100-SXM4-80GB") is GEMV_MMA16, m
     for m in (64, 1024):  # past the single-launch rows: unchanged
         assert at(m, 1024, 2048) is tuned(h100, m), m
     # the word tl.dot rows: a small weight keeps GEMV_MMA32 at M = 17-32, rows under 4096 take nf4.dequantize +

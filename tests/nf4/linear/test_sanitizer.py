@@ -35,9 +35,9 @@ from verify.exact import assert_bitexact
 GEMV_MMA = LinearConfig(kernel="gemv_mma", block_r=64, num_warps=4, step_bytes=32, programs_per_sm=12)
 
 torch.manual_seed(11)
-# (config, the largest M it takes here); None: the tuned rows (GEMV_MMA_WK to 2 (on the H100 GEMV_MMA_WK16 on rows of
-# 192 bytes; elsewhere GEMV_MMA_WK4 on these short rows), GEMV_MMA_WK16 to 8, GEMV_MMA16 to 16, GEMV_MMA32 to 32 on
-# these small weights)
+# (config, the largest M it takes here); None: the tuned rows (GEMV_MMA_WK to 2 (on the H100 and the H200
+# GEMV_MMA_WK16 on rows of 192 bytes; elsewhere GEMV_MMA_WK4 on these short rows), GEMV_MMA_WK16 to 8, GEMV_MMA16 to
+# 16, GEMV_MMA32 to 32 on these small weights)
 configs = [(None, 32), (GEMV_TABLE, 4), (GEMV_MMA.with_(split_k=1), 4),
            (LinearConfig(kernel="gemv_mma", block_r=32, num_warps=2, step_bytes=16, split_k=3), 32),
            # warps that split K inside a program (their sums through shared memory; steps past the range read zeros)
