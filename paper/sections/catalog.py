@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 
 from paper.latex import NM, Document, integer, missing_box, ratio, row, tex
-from paper.sections.linear import GPUS
+from paper.sections.linear import GPUS, load_present
 
 BIG = 16 * 2**20  # weights: the bar on copy bandwidth applies from here
 BANDWIDTH_BAR = 0.9
@@ -33,25 +33,15 @@ LAB = (("nf4.linear", "nf4.linear"), ("none_fs", "control, no decode"), ("prmt",
 
 def load(doc: Document) -> dict:
     """{"dequant": {gpu tag: payload}, "lab": {gpu tag: payload}}: the files present (each missing one noted)."""
-    out = {"dequant": {}, "lab": {}, "bulk": {}, "sass": None, "linear": {}, "race": {}}
-    for tag, _, label in GPUS:
-        name = f"labs/config_race_judged_{tag}.json"  # a lab run: no note where a GPU has none
-        if (doc.results / name).exists():
-            payload = doc.load(name, label="experiments.labs.config_race --report --current",
-                               required_for=f"config race paragraph, {label}")
-            if isinstance(payload, dict):
-                out["race"][tag] = payload
+    out = {"dequant": {}, "lab": {}, "sass": None, "linear": {},
+           "race": load_present(doc, "labs/config_race_judged_{tag}.json",
+                                "experiments.labs.config_race --report --current", "config race paragraph"),
+           "bulk": load_present(doc, "labs/gemv_bulk_{tag}.json", "experiments.labs.gemv_lut", "bulk lab table")}
     if (doc.results / "labs/sass_sm90.json").exists():  # offline builds: no GPU, one file
         payload = doc.load("labs/sass_sm90.json", label="experiments.labs.sass_count", required_for="SASS table")
         out["sass"] = payload if isinstance(payload, dict) else None
     else:
         doc.missing.append("results/labs/sass_sm90.json (python -m experiments.labs.sass_count --json ...)")
-    for tag, _, label in GPUS:
-        name = f"labs/gemv_bulk_{tag}.json"  # a lab run: no note where a GPU has none
-        if (doc.results / name).exists():
-            payload = doc.load(name, label="experiments.labs.gemv_lut", required_for=f"bulk lab table, {label}")
-            if isinstance(payload, dict):
-                out["bulk"][tag] = payload
     for tag, _, label in GPUS:
         for kind, name, command in (("dequant", f"catalog/dequant_{tag}.json", "experiments catalog-bench dequant"),
                                     ("linear", f"catalog/linear_{tag}.json", "experiments catalog-bench linear"),

@@ -12,7 +12,7 @@ the fused mode (the issue's bars: 2x dense bf16 and 2x bitsandbytes at batch 1).
 from __future__ import annotations
 
 from paper.latex import NM, Document, missing_box, num, pct, ratio, row, tex
-from paper.sections.linear import GPUS
+from paper.sections.linear import GPUS, load_present
 
 MODES = (("dense", "dense bf16"), ("bnb", "bitsandbytes alone"), ("nf4", r"nf4 patched"),
          ("nf4-fused", r"nf4, \code{fused\_linear}"))
@@ -31,13 +31,8 @@ def load(doc: Document) -> dict:
         payload = doc.load(name, label="experiments decode", required_for=f"decode table, {label}")
         if isinstance(payload, dict):
             out[tag] = payload
-    short = {}  # a shorter model's compiled run after a change (decode_8layers_<gpu>.json), where one was made
-    for tag, _, label in GPUS:
-        name = f"decode/decode_8layers_{tag}.json"
-        if (doc.results / name).exists():
-            payload = doc.load(name, label="experiments decode --layers 8", required_for=f"prefill macros, {label}")
-            if isinstance(payload, dict):
-                short[tag] = payload
+    # a shorter model's compiled run after a change (decode_8layers_<gpu>.json), where one was made
+    short = load_present(doc, "decode/decode_8layers_{tag}.json", "experiments decode --layers 8", "prefill macros")
     return {**out, "short": short} if short else out
 
 

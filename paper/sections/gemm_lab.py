@@ -9,7 +9,7 @@ M >= BIG_M, where tiles fill the GPU.
 from __future__ import annotations
 
 from paper.latex import NM, Document, missing_box, ratio, row, us
-from paper.sections.linear import GPUS
+from paper.sections.linear import GPUS, load_present
 
 BIG_M = 512
 MODES = {0: "exact", 1: "dense", 2: "nolookup"}
@@ -17,14 +17,7 @@ MODES = {0: "exact", 1: "dense", 2: "nolookup"}
 
 def load(doc: Document) -> dict:
     """{gpu tag: payload} of the files present (a lab run: no note where a GPU has none)."""
-    out = {}
-    for tag, _, label in GPUS:
-        name = f"labs/gemm_tma_{tag}.json"
-        if (doc.results / name).exists():
-            payload = doc.load(name, label="experiments.labs.gemm_tma", required_for=f"GEMM lab table, {label}")
-            if isinstance(payload, dict):
-                out[tag] = payload
-    return out
+    return load_present(doc, "labs/gemm_tma_{tag}.json", "experiments.labs.gemm_tma", "GEMM lab table")
 
 
 def summary(payload: dict) -> dict:

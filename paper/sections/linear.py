@@ -107,6 +107,19 @@ def load_per_gpu(doc: Document, kinds, command: str, section: str, folder: str =
     return data or None
 
 
+def load_present(doc: Document, name: str, label: str, section: str) -> dict:
+    """{gpu tag: payload} of results/<name with {tag}> where present: a lab run or an extra run, so a GPU without one
+    gets no note."""
+    out = {}
+    for tag, _, gpu in GPUS:
+        path = name.format(tag=tag)
+        if (doc.results / path).exists():
+            payload = doc.load(path, label=label, required_for=f"{section}, {gpu}")
+            if isinstance(payload, dict):
+                out[tag] = payload
+    return out
+
+
 def _rows(payload) -> list[dict]:
     """The dict rows of a bench-linear payload, numeric fields that are not numbers removed."""
     out = []
