@@ -908,11 +908,13 @@ def test_linear4bit_cuda_fused_route(nf4h, compress_statistics):
     """CUDA, the fused mode, a layer quantized from bf16 weights (its QuantState bf16, as x: nf4.linear's
     tensor-core GEMV runs): a Linear4bit forward of 1, 5, 16 and 32 rows (no grad, as in decode; and 5 rows
     with grad) is nf4.linear's (bit for bit; within the float32 accumulation bound of the exact product), 33
-    rows bitsandbytes' path as in the plain mode; torch.compile(fullgraph=True) of the patched layer at one
-    row gives the eager bits; 300 rows with grad give the plain patch's bits (both nf4.dequantize + cuBLAS there).
-    (Where nf4.linear takes nf4.dequantize + cuBLAS instead, as for a float32
-    QuantState, cuBLAS's bf16 reductions are not held to that bound: tests/nf4/linear/test_sum.py.)"""
+    rows bitsandbytes' path as in the plain mode, or where the routes send them to nf4.linear its bits;
+    torch.compile(fullgraph=True) of the patched layer at one row gives the eager bits; 300 rows with grad give the
+    plain patch's bits (both nf4.dequantize + cuBLAS there). (Where nf4.linear's table takes nf4.dequantize + cuBLAS
+    instead, as at M = 33-64 on these rows of 512 weights on the H100 and the H200, or for a float32 QuantState,
+    cuBLAS's bf16 reductions are not held to that bound: tests/nf4/linear/test_sum.py.)"""
     from nf4.integrations.routes import routes_matmul_4bit
+    from nf4.linear.tuned import tuned
 
     name = torch.cuda.get_device_name(0)
     seed = nf4h.case_seed("bnb-fused-cuda", compress_statistics)
@@ -936,7 +938,8 @@ def test_linear4bit_cuda_fused_route(nf4h, compress_statistics):
         assert _counts(MM) == (2, 0)
         assert_bitexact(got, expect, name=f"M={m}")
         assert_bitexact(again, expect, name=f"M={m}, repeat call")
-        _within_bound(got, x, layer, f"M={m}")
+        if tuned(name, m, n=333, k=512).kernel != "dequant":  # the fused kernels' float32 sums (see the docstring)
+            _within_bound(got, x, layer, f"M={m}")
     x = nf4h.make_weight((5, 512), torch.bfloat16, seed + 99, "cuda")
     reset_routed_counts()
     with nf4.patched_bitsandbytes(fused_linear=True):
