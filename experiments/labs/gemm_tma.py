@@ -139,11 +139,11 @@ _PARTS = {}
 
 
 def _descs(x, words, wd, cand):
-    """Host tensor descriptors (cached by the tensors' addresses and shapes: the lab's weights never change)."""
+    """Host tensor descriptors, cached by the tensors' addresses and shapes (the lab's tensors are contiguous)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     mode, bm, bn = CANDIDATES[cand][:3]
-    key = (cand, x.data_ptr(), x.shape, words.data_ptr(), wd.data_ptr() if wd is not None else 0)
+    key = (cand, x.data_ptr(), x.shape, words.data_ptr(), words.shape, wd.data_ptr() if wd is not None else 0)
     d = _DESC.get(key)
     if d is None:
         xd = TensorDescriptor.from_tensor(x, [bm, 64])
