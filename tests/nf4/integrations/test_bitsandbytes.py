@@ -1029,6 +1029,18 @@ def test_routed_calls_leave_the_state_tensors_as_they_were(nf4h):
     assert all(torch.equal(back[k], t) for k, t in tensors.items())
 
 
+def _parts_case(nf4h, name: str, double_quant: bool):
+    """A seeded 37 x 128 NF4 weight with a bf16 state, x of 3 rows, and the fallback route around a stub: the
+    kept-state tests' set-up."""
+    seed = nf4h.case_seed(name, double_quant)
+    packed, state = F.quantize_4bit(nf4h.make_weight((37, 128), torch.float32, seed), blocksize=64,
+                                    compress_statistics=double_quant, quant_type="nf4")
+    state = nf4h.clone_state(state, dtype=torch.bfloat16)
+    a = nf4h.make_weight((3, 128), torch.bfloat16, seed + 1)
+    route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
+    return packed, state, a, route
+
+
 @needs_interpreter
 @pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
 def test_fallback_without_handover_makes_one_state_per_parts(nf4h, double_quant):
@@ -1043,12 +1055,7 @@ def test_fallback_without_handover_makes_one_state_per_parts(nf4h, double_quant)
 
     from nf4.integrations import routes
 
-    seed = nf4h.case_seed("bnb-parts-cache", double_quant)
-    packed, state = F.quantize_4bit(nf4h.make_weight((37, 128), torch.float32, seed), blocksize=64,
-                                    compress_statistics=double_quant, quant_type="nf4")
-    state = nf4h.clone_state(state, dtype=torch.bfloat16)
-    a = nf4h.make_weight((3, 128), torch.bfloat16, seed + 1)
-    route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
+    packed, state, a, route = _parts_case(nf4h, "bnb-parts-cache", double_quant)
     args, kwargs = _fallback_args(state, a, packed, None)  # B is packed.view(-1, 1): a view, as gemm_4bit gets
     args = (*args[:2], list(args[2]), *args[3:])  # the shape as torch.ops hands it
     root = state.absmax  # the state's own absmax (the 8-bit one where nested): what the state is kept by
@@ -1092,12 +1099,7 @@ def test_kept_state_after_an_in_place_change_gives_fresh_bits(nf4h, double_quant
     state, as bitsandbytes' dequantize + F.linear of it does."""
     from nf4.integrations import routes
 
-    seed = nf4h.case_seed("bnb-parts-inplace", double_quant)
-    packed, state = F.quantize_4bit(nf4h.make_weight((37, 128), torch.float32, seed), blocksize=64,
-                                    compress_statistics=double_quant, quant_type="nf4")
-    state = nf4h.clone_state(state, dtype=torch.bfloat16)
-    a = nf4h.make_weight((3, 128), torch.bfloat16, seed + 1)
-    route = route_dequant_linear_fallback(lambda *args, **kwargs: "original")
+    packed, state, a, route = _parts_case(nf4h, "bnb-parts-inplace", double_quant)
     args, kwargs = _fallback_args(state, a, packed, None)
     args = (*args[:2], list(args[2]), *args[3:])
     root = state.absmax
