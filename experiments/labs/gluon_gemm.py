@@ -1,0 +1,404 @@
+"""A Gluon NF4 GEMM whose decode writes wgmma's register operand directly (issue 34, items 1-2).
+
+Why: the GEMM lab (gemm_tma.py) found that a weight tile decoded in registers reaches wgmma through shared memory
+and block-wide barriers, because plain Triton converts the decode's layout into wgmma's operand layout. Gluon
+(Triton's explicit-layout dialect) lets the kernel state the layout: lane 4g + q of warp w loads words 2q and 2q + 1
+of rows 16w + g and 16w + g + 8 of each 64-weight step (`WORDS` below), decodes them with the word GEMV's exact prmt
+tables, and the 16 pairs it holds are, after a free relabelling of columns, wgmma's A fragment for those rows. The
+relabelling permutes K inside each step, so x's columns are permuted to match (`fragment.perm`, checked on the CPU
+against the PTX fragment layout). Swap-AB: out^T = W x^T, the decoded tile the register operand (64 rows of W per
+warp group), x^T the shared operand through TMA.
+
+Exactness: every operand is round_bf16(mul.rn.ftz.f32(NF4[nibble], absmax)), the dequantized weight; gemv_lut's
+operand check (signed, power-of-two scaled identity rows, int16 views) holds it to that. GPU only (Gluon, PTX, TMA);
+Triton 3.6's Gluon API (the GPU machines').
+
+    python -m experiments.labs.gluon_gemm --shapes 4096x4096 --ms 16 128 512 --out build/labs/gluon_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from experiments.labs.fragment import perm
+from nf4.device import LOOKUP_ASM, table_asm
+
+TABLE_BF16_FTZ = gl.constexpr(table_asm(True, "bf16"))
+ABSMAX_BLOCK = gl.constexpr(256)  # blocks of absmax per absmax2 scale (bitsandbytes' double quantization)
+
+
+def words_layout(warps: int) -> gl.DistributedLinearLayout:
+    """[16 * warps, 8] words of a step: lane 4g + q of warp w holds words 2q, 2q + 1 of rows 16w + g, 16w + g + 8."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[16 * warps, 8])
+
+
+@gluon.jit
+def _absmax(blk, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset):
+    """Double quantization: code2[absmax byte] * absmax2[blk // 256] (mul.rn.ftz) + offset, as bitsandbytes."""
+    q = gl.load(absmax_ptr + blk, mask=ok, other=0)
+    level = gl.load(code2_ptr + q.to(gl.int32), mask=ok, other=0.0)
+    scale2 = gl.load(absmax2_ptr + blk // ABSMAX_BLOCK, mask=ok, other=0.0)
+    prod = gl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [level, scale2], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+    return prod + offset
+
+
+@gluon.jit
+def _decode(words, amax, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """[BN, 8] words (WORDS layout) and their rows' absmax [BN, 1] -> the [BN, 64] bfloat16 A operand in fragment
+    column order (column f of a step holds packed element fragment.perm()[f])."""
+    t0, t1, t2, t3, t4, t5, t6, t7 = gl.inline_asm_elementwise(
+        TABLE_BF16_FTZ, "=r,=r,=r,=r,=r,=r,=r,=r,r", [amax], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
+    p0, p1, p2, p3 = gl.inline_asm_elementwise(
+        LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [words, t0, t1, t2, t3, t4, t5, t6, t7],
+        dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
+    q = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, 8 (word), 2 (j0), 2 (j1)]: pair j = 2 j1 + j0
+    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [q], dtype=(gl.bfloat16, gl.bfloat16),
+                                       is_pure=True, pack=1)
+    t = gl.join(lo, hi)  # [..., 2 (e)]: element 2j + e of the word
+    t = gl.reshape(t, [BN, 4, 2, 2, 2, 2])  # row, q, v (word 2q + v), j0, j1, e
+    t = gl.permute(t, [0, 2, 4, 3, 1, 5])  # column 32 v + 16 j1 + 8 j0 + 2 q + e: chunk 2 v + j1, half j0
+    return gl.convert_layout(gl.reshape(t, [BN, 64]), A_LAYOUT)
+
+
+@gluon.jit
+def lab_gluon_gemm_kernel(x_desc, w_desc, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, bias_ptr, out_ptr,
+                          part_ptr, M, N, K, BM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, WORDS: gl.constexpr, num_warps: gl.constexpr):
+    BN: gl.constexpr = 16 * num_warps
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 16])
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    ROWS: gl.constexpr = gl.SliceLayout(1, WORDS)
+    KB = K // 64
+    off_n = gl.program_id(0) * BN
+    off_m = gl.program_id(1) * BM
+    seg = gl.cdiv(KB, SPLIT)  # steps of each split
+    k0 = gl.program_id(2) * seg
+    n_steps = gl.minimum(seg, KB - k0)
+
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, 64], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, 8], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    step_bytes: gl.constexpr = BM * 64 * 2 + BN * 8 * 4
+    for i in gl.static_range(STAGES - 1):
+        ok = i < n_steps
+        mbarrier.expect(bars.index(i), step_bytes, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * 64], bars.index(i), x_smem.index(i), pred=ok)
+        tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + i) * 8], bars.index(i), w_smem.index(i), pred=ok)
+
+    rows = off_n + gl.arange(0, BN, layout=ROWS)
+    row_ok = rows < N
+    blk = rows * KB + k0
+    offset = gl.load(offset_ptr)
+    amax = _absmax(blk, row_ok, absmax_ptr, absmax2_ptr, code2_ptr, offset)
+    acc = gl.zeros([BN, BM], gl.float32, ACC)
+    for s in range(n_steps):
+        st = s % STAGES
+        mbarrier.wait(bars.index(st), (s // STAGES) & 1)
+        words = w_smem.index(st).load(WORDS).to(gl.uint32, bitcast=True)
+        amax_next = _absmax(blk + gl.minimum(s + 1, n_steps - 1), row_ok, absmax_ptr, absmax2_ptr, code2_ptr, offset)
+        a = _decode(words, gl.expand_dims(amax, 1), BN, A_LAYOUT)
+        acc = warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        nxt = s + STAGES - 1
+        ns = nxt % STAGES
+        ok = nxt < n_steps
+        mbarrier.expect(bars.index(ns), step_bytes, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + nxt) * 64], bars.index(ns), x_smem.index(ns), pred=ok)
+        tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + nxt) * 8], bars.index(ns), w_smem.index(ns), pred=ok)
+        amax = amax_next
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+    m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+    mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
+    idx = gl.expand_dims(m, 0) * N + gl.expand_dims(n, 1)
+    if SPLIT > 1:  # float32 partial sums; nf4_split_sum_kernel adds them in split order, the bias, and rounds
+        gl.store(part_ptr + gl.program_id(2) * M * N + idx, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32), 1)
+        gl.store(out_ptr + idx, acc.to(gl.bfloat16), mask=mask)
+
+
+
+
+# name -> (BM: rows of x a tile, wgmma's N; warps: 4 per 64 rows of W; STAGES; split-K: 0 = as many splits as bring
+# the programs nearest 2 per multiprocessor with at least 8 steps each)
+CANDIDATES = {
+    "g_m16_w4": (16, 4, 8, 0),  # M <= 16
+    "g_m32_w4": (32, 4, 6, 0),
+    "g_m64_w4": (64, 4, 6, 0),
+    "g_m128_w4": (128, 4, 4, 0),
+    "g_m128_w8": (128, 8, 4, 0),
+    "g_m256_w4": (256, 4, 3, 1),
+    "g_m256_w8": (256, 8, 3, 1),
+}
+_PERM: dict = {}
+_PARTS: dict = {}
+
+
+def permute_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each 64-column step in fragment column order (a copy): column f of a step is column perm()[f]."""
+    p = _PERM.get(x.device)
+    if p is None:
+        p = _PERM[x.device] = torch.as_tensor(perm(), device=x.device)
+    m, k = x.shape
+    return x.reshape(m, k // 64, 64).index_select(2, p).reshape(m, k)
+
+
+def splits(tiles: int, steps: int, split: int, sms: int = 132) -> int:
+    if split:
+        return split
+    best = 1
+    for s in range(1, 17):
+        if steps // s < 8:
+            break
+        if abs(tiles * s - 2 * sms) < abs(tiles * best - 2 * sms):
+            best = s
+    return best
+
+
+def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, permuted: bool = False) -> torch.Tensor:
+    """out = x W^T + bias (bf16, blocksize 64, double quantization); x is permuted here unless `permuted`."""
+    from nf4.linear.common import nf4_split_sum_kernel
+
+    bm, warps, stages, split = CANDIDATES[cand]
+    xp = x if permuted else permute_x(x)
+    m, k = xp.shape
+    n = qs.shape[0]
+    bn = 16 * warps
+    words = packed.view(torch.int32).view(n, k // 8)
+    x_desc = TensorDescriptor.from_tensor(xp, [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(words, [bn, 8], gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32))
+    if out is None:
+        out = torch.empty(m, n, device=xp.device, dtype=xp.dtype)
+    tiles = triton_cdiv(n, bn) * triton_cdiv(m, bm)
+    split = splits(tiles, k // 64, split)
+    part = out
+    if split > 1:
+        key = (split, m, n, xp.device)
+        part = _PARTS.get(key)
+        if part is None:
+            part = _PARTS[key] = torch.empty(split, m, n, device=xp.device, dtype=torch.float32)
+    grid = (triton_cdiv(n, bn), triton_cdiv(m, bm), split)
+    lab_gluon_gemm_kernel[grid](x_desc, w_desc, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset,
+                                bias if bias is not None else out, out, part, m, n, k, bm, stages, split,
+                                bias is not None, words_layout(warps), num_warps=warps, enable_fp_fusion=False)
+    if split > 1:
+        mn = m * n
+        nf4_split_sum_kernel[(triton_cdiv(mn, 1024),)](part, bias if bias is not None else out, out, mn, n,
+                                                       SPLIT=split, HAS_BIAS=bias is not None, X_DT=2,
+                                                       BF16_BITS=False, BLOCK=1024)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def build_facts(cand: str, arch: int = 90) -> dict:
+    """An offline build for sm_<arch> (no GPU): registers, shared memory, whether every wgmma takes A from
+    registers, block-wide barriers and shared loads/stores in the K loop, and the loop's instructions by class."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import sass_count as sc
+
+    bm, warps, stages, split = CANDIDATES[cand]
+    bn = 16 * warps
+    xl = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+    wl = gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32)
+    sig = {"x_desc": f"tensordesc<bf16[{bm},64],{xl!r}>", "w_desc": f"tensordesc<i32[{bn},8],{wl!r}>",
+           "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32",
+           "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32"}
+    const = {"BM": bm, "STAGES": stages, "SPLIT": max(split, 2), "HAS_BIAS": False, "WORDS": words_layout(warps),
+             "num_warps": warps}
+    sig.update({name: "constexpr" for name in const})
+    src = GluonASTSource(lab_gluon_gemm_kernel, sig, constexprs=const)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, "enable_fp_fusion": False})
+    sass = sc.disassemble(compiled.asm["cubin"])
+    insns, labels = sc.instructions(sass)
+    hg = [i for i, (op, _) in enumerate(insns) if op.startswith("HGMMA")]
+    loop = []  # the K loop: a backward branch after the last wgmma to a label before the first
+    for i, (op, args) in enumerate(insns):
+        mt = re.search(r"\((\.L_x_\d+)\)", args)
+        if op == "BRA" and mt and hg and i > hg[-1] and labels.get(mt.group(1), i) < hg[0]:
+            loop = insns[labels[mt.group(1)]:i + 1]
+            break
+    ops: dict = {}
+    for op, _ in loop:
+        ops[op.split(".")[0]] = ops.get(op.split(".")[0], 0) + 1
+    weights = 64 * bn // (32 * warps)  # weights each thread decodes per step
+    alu = sum(v for op, v in ops.items() if op in ("PRMT", "LOP3", "SHF", "IADD3", "LEA", "ISETP", "SEL", "VIADD",
+                                                   "IMNMX", "VIMNMX", "SGXT"))
+    return {**sc.registers(compiled.asm["cubin"]), "candidate": cand, "arch": f"sm_{arch}",
+            "shared_bytes": compiled.metadata.shared,
+            "wgmma_register_a": bool(hg) and all(re.search(r"BF16 R\d+, R\d+, gdesc", insns[i][1]) for i in hg),
+            "loop_instructions": len(loop), "loop_ops": ops, "weights_per_thread_step": weights,
+            "loop_alu_per_weight": alu / weights, "loop_imad_per_weight": ops.get("IMAD", 0) / weights,
+            "loop_bar_sync": sum(op.startswith("BAR.SYNC") for op, _ in loop),
+            "loop_shared": {op: ops.get(op, 0) for op in ("LDS", "STS", "LDSM", "STSM")}, "triton": triton.__version__}
+
+
+def fits(cand: str, m: int) -> bool:
+    bm = CANDIDATES[cand][0]
+    return bm == 16 if m <= 16 else bm == 32 if m <= 32 else bm == 64 if m <= 64 else bm >= 128
+
+
+def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
+    import bitsandbytes.functional as F
+
+    import nf4
+    from verify import timing
+
+    from .gemv_lut import identity_rows, make_weights, operand_mismatches
+
+    dtype = torch.bfloat16
+    sets = make_weights(n, k, dtype, copies=timing.rotation_count(n * k // 2))
+    wds = [F.dequantize_4bit(p, q).to(dtype) for p, q in sets]
+    rows = []
+    for m in ms:
+        mi = min(m, k)
+        x, cols, scales = identity_rows(mi, k, dtype, seed=m)
+        if mi < m:
+            x = torch.cat([x, torch.zeros((m - mi, k), dtype=dtype, device="cuda")])
+        xr = torch.randn((m, k), device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)).to(dtype)
+        xrp = permute_x(xr)
+        base = {"N": n, "K": k, "M": m, "dtype": "bfloat16", "copies": len(sets)}
+
+        def timed(fn):
+            g = timing.graph_time_us(fn, list(range(len(sets))))
+            return g and g.get("median_us")
+
+        rows.append({**base, "provider": "cublas_dense",
+                     "graph_us": timed(lambda i, xr=xr: torch.nn.functional.linear(xr, wds[i % len(wds)]))})
+        rows.append({**base, "provider": "nf4.linear",
+                     "graph_us": timed(lambda i, xr=xr: nf4.linear(xr, *sets[i % len(sets)]))})
+        rows.append({**base, "provider": "permute_x", "graph_us": timed(lambda i, xr=xr: permute_x(xr))})
+        ref = torch.nn.functional.linear(xr.float(), wds[0].float())
+        for cand in [c for c in candidates if fits(c, m)]:
+            row = {**base, "provider": cand, "config": CANDIDATES[cand]}
+            try:
+                out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                y = gluon_linear(x, *sets[0], cand, out)
+                torch.cuda.synchronize()
+                row["operand_mismatches"] = operand_mismatches(y[:mi], wds[0], cols, scales)
+                out.fill_(float("nan"))
+                y = gluon_linear(xr, *sets[0], cand, out)
+                err = (y.float() - ref).abs()
+                bound = (xr.float().abs() @ wds[0].float().abs().t()) * (k * 2.0**-24) + ref.abs() * 2.0**-8
+                row["random_within_bound"] = bool((err <= bound).all())
+                row["graph_us"] = timed(lambda i, c=cand, o=out, xr=xr: gluon_linear(xr, *sets[i % len(sets)], c, o))
+                row["kernel_us"] = timed(lambda i, c=cand, o=out, xp=xrp: gluon_linear(xp, *sets[i % len(sets)], c, o,
+                                                                                     permuted=True))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:800]
+            rows.append(row)
+        ran = 3 + len([c for c in candidates if fits(c, m)])
+        dense = rows[-ran].get("graph_us")
+        for r in rows[-ran:]:
+            us = r.get("graph_us")
+            log(f"  {n}x{k} M={m:<5} {r['provider']:<12} {us or float('nan'):9.2f} us "
+                f"{(us / dense if us and dense else float('nan')):5.2f}x dense  kernel {r.get('kernel_us')}"
+                f"  mismatches {r.get('operand_mismatches')}  bound {r.get('random_within_bound')}"
+                + (f"  ERROR {r['error']}" if "error" in r else ""), flush=True)
+    sets.clear()
+    wds.clear()
+    _PARTS.clear()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def report(paths) -> str:
+    """Per weight and M: time over cuBLAS's dense GEMM of nf4.linear and of the best exact Gluon candidate (with
+    x's permutation, and the kernel alone)."""
+    out = []
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        out += [f"{d['device']} ({d['environment'].get('commit', '?')}): time / cuBLAS dense", "",
+                "| N x K | M | cuBLAS us | nf4.linear | best Gluon (name) | its kernel alone |",
+                "|---|---|---|---|---|---|"]
+        groups: dict = {}
+        for r in d["rows"]:
+            groups.setdefault((r["N"], r["K"], r["M"]), []).append(r)
+        for (n, k, m), rows in groups.items():
+            us = {r["provider"]: r.get("graph_us") for r in rows if r.get("graph_us")}
+            dense = us.get("cublas_dense")
+            ok = [r for r in rows if r["provider"] in CANDIDATES and r.get("graph_us")
+                  and r.get("operand_mismatches") == 0 and r.get("random_within_bound")]
+            if not dense or not ok:
+                continue
+            best = min(ok, key=lambda r: r["graph_us"])
+            out.append(f"| {n} x {k} | {m} | {dense:.1f} | {us.get('nf4.linear', float('nan')) / dense:.2f} | "
+                       f"{best['graph_us'] / dense:.2f} ({best['provider']}) | "
+                       f"{(best.get('kernel_us') or float('nan')) / dense:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.labs.gluon_gemm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "14336x4096", "4096x14336"])
+    ap.add_argument("--ms", nargs="+", type=int, default=[1, 16, 32, 64, 128, 512, 2048])
+    ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    ap.add_argument("--out", default="build/labs/gluon_gemm.json")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print a markdown table and exit")
+    ap.add_argument("--build", nargs="+", default=None, metavar="CANDIDATE",
+                    help="offline sm_90 builds of these candidates: print their facts as JSON and exit (no GPU)")
+    args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
+    if args.build:
+        print(json.dumps([build_facts(c) for c in args.build]))
+        return 0
+    if not torch.cuda.is_available():
+        print("gluon_gemm needs a CUDA GPU (sm_90)")
+        return 2
+    from verify import timing
+
+    print(f"{torch.cuda.get_device_name()}", flush=True)
+    rows = []
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.lower().split("x"))
+        rows += run_weight(n, k, args.ms, args.candidates)
+    import triton
+
+    facts = []
+    for c in args.candidates:
+        try:
+            facts.append(build_facts(c))
+        except Exception as exc:
+            facts.append({"candidate": c, "error": f"{type(exc).__name__}: {exc}"[:400]})
+    result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
+              "environment": timing.environment(), "candidates": CANDIDATES, "build_facts": facts, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
