@@ -184,7 +184,7 @@ def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torc
     m, k = xp.shape
     n = qs.shape[0]
     bn = 16 * warps
-    words = packed.view(torch.int32).view(n, k // 8)
+    words = packed.reshape(-1).view(torch.int32).view(n, k // 8)
     x_desc = TensorDescriptor.from_tensor(xp, [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(words, [bn, 8], gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32))
     if out is None:
