@@ -44,9 +44,9 @@ def words_layout(warps: int) -> gl.DistributedLinearLayout:
 
 
 @gluon.jit
-def _absmax(blk, ok, absmax_ptr, absmax2_ptr, code2_ptr, offset):
-    """Double quantization: code2[absmax byte] * absmax2[blk // 256] (mul.rn.ftz) + offset, as bitsandbytes."""
-    q = gl.load(absmax_ptr + blk, mask=ok, other=0)
+def _absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset):
+    """Double quantization: code2[q] * absmax2[blk // 256] (mul.rn.ftz) + offset for absmax bytes q of blocks blk,
+    as bitsandbytes (two roundings)."""
     level = gl.load(code2_ptr + q.to(gl.int32), mask=ok, other=0.0)
     scale2 = gl.load(absmax2_ptr + blk // ABSMAX_BLOCK, mask=ok, other=0.0)
     prod = gl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [level, scale2], dtype=gl.float32,
@@ -73,9 +73,45 @@ def _decode(words, amax, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def lab_gluon_gemm_kernel(x_desc, w_desc, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, bias_ptr, out_ptr,
-                          part_ptr, M, N, K, BM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                          HAS_BIAS: gl.constexpr, WORDS: gl.constexpr, num_warps: gl.constexpr):
+def _step(s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, bars, wptr, absmax_ptr, absmax2_ptr,
+          code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, step_bytes: gl.constexpr,
+          BN: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, W_TMA: gl.constexpr, WORDS: gl.constexpr,
+          A_LAYOUT: gl.constexpr):
+    """One 64-weight step: decode W's words into the A fragment, issue the wgmma, leave WAIT groups in flight, refill
+    the stage the retired wgmma read, and carry the absmax and word prefetches one step on."""
+    st = s % STAGES
+    q_after = gl.load(absmax_ptr + blk + gl.minimum(s + 2, last))
+    if W_TMA:
+        mbarrier.wait(bars.index(st), (s // STAGES) & 1)
+        words = w_smem.index(st).load(WORDS).to(gl.uint32, bitcast=True)
+        w_after = w_next
+    else:
+        w_after = gl.load(wptr + gl.minimum(s + 2, last) * 8)
+        words = w_now.to(gl.uint32, bitcast=True)
+    a = _decode(words, gl.expand_dims(amax, 1), BN, A_LAYOUT)
+    if not W_TMA:
+        mbarrier.wait(bars.index(st), (s // STAGES) & 1)
+    acc = warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(WAIT, deps=[acc])
+    nxt = s + STAGES - 1
+    ns = nxt % STAGES
+    ok = nxt < n_steps
+    mbarrier.expect(bars.index(ns), step_bytes, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + nxt) * 64], bars.index(ns), x_smem.index(ns), pred=ok)
+    if W_TMA:
+        tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + nxt) * 8], bars.index(ns), w_smem.index(ns), pred=ok)
+    amax = _absmax(q_next, blk + gl.minimum(s + 1, last), row_ok, absmax2_ptr, code2_ptr, offset)
+    return acc, amax, q_after, w_next, w_after
+
+
+@gluon.jit
+def lab_gluon_gemm_kernel(x_desc, w_desc, words_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, bias_ptr,
+                          out_ptr, part_ptr, M, N, K, BM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                          WAIT: gl.constexpr, W_TMA: gl.constexpr, HAS_BIAS: gl.constexpr, WORDS: gl.constexpr,
+                          num_warps: gl.constexpr):
+    """W_TMA: the packed words come through the TMA stages with x (read back from shared memory), else each lane
+    loads its 8 bytes a row from global memory two steps ahead. WAIT: wgmma groups left in flight (0 or 1).
+    The absmax chain: a block's byte is loaded two steps ahead and turned into its float32 absmax one step ahead."""
     BN: gl.constexpr = 16 * num_warps
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])
@@ -84,43 +120,61 @@ def lab_gluon_gemm_kernel(x_desc, w_desc, absmax_ptr, absmax2_ptr, code2_ptr, of
     KB = K // 64
     off_n = gl.program_id(0) * BN
     off_m = gl.program_id(1) * BM
-    seg = gl.cdiv(KB, SPLIT)  # steps of each split
+    seg = gl.cdiv(KB, SPLIT * (1 + WAIT)) * (1 + WAIT)  # steps of each split (even with WAIT 1: KB is even)
     k0 = gl.program_id(2) * seg
     n_steps = gl.minimum(seg, KB - k0)
+    last = n_steps - 1
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, 64], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, 8], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES if W_TMA else 1, BN, 8], w_desc.layout)
+    if W_TMA:
+        step_bytes: gl.constexpr = BM * 64 * 2 + BN * 8 * 4
+    else:
+        step_bytes: gl.constexpr = BM * 64 * 2
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    step_bytes: gl.constexpr = BM * 64 * 2 + BN * 8 * 4
     for i in gl.static_range(STAGES - 1):
         ok = i < n_steps
         mbarrier.expect(bars.index(i), step_bytes, pred=ok)
         tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * 64], bars.index(i), x_smem.index(i), pred=ok)
-        tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + i) * 8], bars.index(i), w_smem.index(i), pred=ok)
+        if W_TMA:
+            tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + i) * 8], bars.index(i), w_smem.index(i), pred=ok)
 
     rows = off_n + gl.arange(0, BN, layout=ROWS)
     row_ok = rows < N
-    blk = rows * KB + k0
+    blk = gl.minimum(rows, N - 1) * KB + k0  # each row's first block (rows past W: its last row's)
     offset = gl.load(offset_ptr)
-    amax = _absmax(blk, row_ok, absmax_ptr, absmax2_ptr, code2_ptr, offset)
+    amax = _absmax(gl.load(absmax_ptr + blk), blk, row_ok, absmax2_ptr, code2_ptr, offset)
+    q_next = gl.load(absmax_ptr + blk + gl.minimum(1, last))
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS))
+    wptr = words_ptr + gl.expand_dims(gl.minimum(rows, N - 1) * (K // 8) + k0 * 8, 1) + gl.expand_dims(cols, 0)
+    if W_TMA:
+        w_now = gl.zeros([BN, 8], gl.int32, WORDS)
+        w_next = w_now
+    else:
+        w_now = gl.load(wptr)
+        w_next = gl.load(wptr + gl.minimum(1, last) * 8)
     acc = gl.zeros([BN, BM], gl.float32, ACC)
-    for s in range(n_steps):
-        st = s % STAGES
-        mbarrier.wait(bars.index(st), (s // STAGES) & 1)
-        words = w_smem.index(st).load(WORDS).to(gl.uint32, bitcast=True)
-        amax_next = _absmax(blk + gl.minimum(s + 1, n_steps - 1), row_ok, absmax_ptr, absmax2_ptr, code2_ptr, offset)
-        a = _decode(words, gl.expand_dims(amax, 1), BN, A_LAYOUT)
-        acc = warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        nxt = s + STAGES - 1
-        ns = nxt % STAGES
-        ok = nxt < n_steps
-        mbarrier.expect(bars.index(ns), step_bytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + nxt) * 64], bars.index(ns), x_smem.index(ns), pred=ok)
-        tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + nxt) * 8], bars.index(ns), w_smem.index(ns), pred=ok)
-        amax = amax_next
+    if WAIT == 1:
+        # two steps an iteration, each with its own A registers: a wgmma stays in flight while the next step
+        # decodes into the other registers (PTX forbids writing an in-flight wgmma's A registers); even steps only
+        for s in range(0, n_steps, 2):
+            acc, amax, q_next, w_now, w_next = _step(
+                s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, bars, wptr, absmax_ptr,
+                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, step_bytes, BN, STAGES,
+                1, W_TMA, WORDS, A_LAYOUT)
+            acc, amax, q_next, w_now, w_next = _step(
+                s + 1, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, bars, wptr, absmax_ptr,
+                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, step_bytes, BN, STAGES,
+                1, W_TMA, WORDS, A_LAYOUT)
+    else:
+        for s in range(n_steps):
+            acc, amax, q_next, w_now, w_next = _step(
+                s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, bars, wptr, absmax_ptr,
+                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, step_bytes, BN, STAGES,
+                0, W_TMA, WORDS, A_LAYOUT)
+    acc = warpgroup_mma_wait(0, deps=[acc])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -139,15 +193,20 @@ def lab_gluon_gemm_kernel(x_desc, w_desc, absmax_ptr, absmax2_ptr, code2_ptr, of
 
 
 # name -> (BM: rows of x a tile, wgmma's N; warps: 4 per 64 rows of W; STAGES; split-K: 0 = as many splits as bring
-# the programs nearest 2 per multiprocessor with at least 8 steps each)
+# the programs nearest 2 per multiprocessor with at least 8 steps each; WAIT: wgmma groups left in flight; W_TMA: the
+# packed words through the TMA stages, else loaded by each lane two steps ahead)
 CANDIDATES = {
-    "g_m16_w4": (16, 4, 8, 0),  # M <= 16
-    "g_m32_w4": (32, 4, 6, 0),
-    "g_m64_w4": (64, 4, 6, 0),
-    "g_m128_w4": (128, 4, 4, 0),
-    "g_m128_w8": (128, 8, 4, 0),
-    "g_m256_w4": (256, 4, 3, 1),
-    "g_m256_w8": (256, 8, 3, 1),
+    "g_m16_w4": (16, 4, 8, 0, 0, True),  # M <= 16
+    "g_m16_w4_ld": (16, 4, 8, 0, 1, False),
+    "g_m32_w4_ld": (32, 4, 6, 0, 1, False),
+    "g_m64_w4_ld": (64, 4, 6, 0, 1, False),
+    "g_m128_w4": (128, 4, 4, 0, 0, True),
+    "g_m128_w4_a1": (128, 4, 4, 0, 1, True),
+    "g_m128_w4_ld": (128, 4, 4, 0, 1, False),
+    "g_m256_w4": (256, 4, 3, 1, 0, True),
+    "g_m256_w4_a1": (256, 4, 3, 1, 1, True),
+    "g_m256_w4_ld": (256, 4, 3, 1, 1, False),
+    "g_m256_w8_ld": (256, 8, 3, 1, 1, False),
 }
 _PERM: dict = {}
 _PARTS: dict = {}
@@ -179,9 +238,11 @@ def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torc
     """out = x W^T + bias (bf16, blocksize 64, double quantization); x is permuted here unless `permuted`."""
     from nf4.linear.common import nf4_split_sum_kernel
 
-    bm, warps, stages, split = CANDIDATES[cand]
+    bm, warps, stages, split, wait, w_tma = CANDIDATES[cand]
     xp = x if permuted else permute_x(x)
     m, k = xp.shape
+    if wait and (k // 64) % 2:
+        raise ValueError(f"candidate {cand} takes two 64-weight steps an iteration: K // 64 must be even, got {k}")
     n = qs.shape[0]
     bn = 16 * warps
     words = packed.reshape(-1).view(torch.int32).view(n, k // 8)
@@ -198,9 +259,10 @@ def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torc
         if part is None:
             part = _PARTS[key] = torch.empty(split, m, n, device=xp.device, dtype=torch.float32)
     grid = (triton_cdiv(n, bn), triton_cdiv(m, bm), split)
-    lab_gluon_gemm_kernel[grid](x_desc, w_desc, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset,
-                                bias if bias is not None else out, out, part, m, n, k, bm, stages, split,
-                                bias is not None, words_layout(warps), num_warps=warps, enable_fp_fusion=False)
+    lab_gluon_gemm_kernel[grid](x_desc, w_desc, words, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset,
+                                bias if bias is not None else out, out, part, m, n, k, bm, stages, split, wait,
+                                w_tma, bias is not None, words_layout(warps), num_warps=warps,
+                                enable_fp_fusion=False)
     if split > 1:
         mn = m * n
         nf4_split_sum_kernel[(triton_cdiv(mn, 1024),)](part, bias if bias is not None else out, out, mn, n,
@@ -213,7 +275,7 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def build_facts(cand: str, arch: int = 90) -> dict:
+def build_facts(cand: str, arch: int = 90, sass_path: str | None = None) -> dict:
     """An offline build for sm_<arch> (no GPU): registers, shared memory, whether every wgmma takes A from
     registers, block-wide barriers and shared loads/stores in the K loop, and the loop's instructions by class."""
     import re
@@ -224,20 +286,23 @@ def build_facts(cand: str, arch: int = 90) -> dict:
 
     from . import sass_count as sc
 
-    bm, warps, stages, split = CANDIDATES[cand]
+    bm, warps, stages, split, wait, w_tma = CANDIDATES[cand]
     bn = 16 * warps
     xl = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm},64],{xl!r}>", "w_desc": f"tensordesc<i32[{bn},8],{wl!r}>",
-           "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32",
-           "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32"}
-    const = {"BM": bm, "STAGES": stages, "SPLIT": max(split, 2), "HAS_BIAS": False, "WORDS": words_layout(warps),
-             "num_warps": warps}
+           "words_ptr": "*i32", "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32",
+           "offset_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32"}
+    const = {"BM": bm, "STAGES": stages, "SPLIT": max(split, 2), "WAIT": wait, "W_TMA": w_tma, "HAS_BIAS": False,
+             "WORDS": words_layout(warps), "num_warps": warps}
     sig.update({name: "constexpr" for name in const})
     src = GluonASTSource(lab_gluon_gemm_kernel, sig, constexprs=const)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, "enable_fp_fusion": False})
     sass = sc.disassemble(compiled.asm["cubin"])
+    if sass_path:
+        Path(sass_path).write_text(sass)
     insns, labels = sc.instructions(sass)
     hg = [i for i, (op, _) in enumerate(insns) if op.startswith("HGMMA")]
     loop = []  # the K loop: a backward branch after the last wgmma to a label before the first
@@ -255,6 +320,7 @@ def build_facts(cand: str, arch: int = 90) -> dict:
     return {**sc.registers(compiled.asm["cubin"]), "candidate": cand, "arch": f"sm_{arch}",
             "shared_bytes": compiled.metadata.shared,
             "wgmma_register_a": bool(hg) and all(re.search(r"BF16 R\d+, R\d+, gdesc", insns[i][1]) for i in hg),
+            "wgmma_in_flight": max((int(v, 16) for v in re.findall(r"gsb0, 0x([0-9a-f]+)", sass)), default=None),
             "loop_instructions": len(loop), "loop_ops": ops, "weights_per_thread_step": weights,
             "loop_alu_per_weight": alu / weights, "loop_imad_per_weight": ops.get("IMAD", 0) / weights,
             "loop_bar_sync": sum(op.startswith("BAR.SYNC") for op, _ in loop),
