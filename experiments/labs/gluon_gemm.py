@@ -433,9 +433,22 @@ def main(argv=None) -> int:
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print a markdown table and exit")
     ap.add_argument("--build", nargs="+", default=None, metavar="CANDIDATE",
                     help="offline sm_90 builds of these candidates: print their facts as JSON and exit (no GPU)")
+    ap.add_argument("--probe", nargs=3, default=None, metavar=("CANDIDATE", "NxK", "M"),
+                    help="one warm-up and one timed launch of a candidate (for ncu -k regex:lab_gluon -s 1 -c 1)")
     args = ap.parse_args(argv)
     if args.report:
         print(report(args.report))
+        return 0
+    if args.probe:
+        from .gemv_lut import make_weights
+
+        cand, shape, m = args.probe[0], args.probe[1], int(args.probe[2])
+        n, k = (int(v) for v in shape.lower().split("x"))
+        (packed, qs), = make_weights(n, k, torch.bfloat16, copies=1)
+        xp = permute_x(torch.randn((m, k), device="cuda").to(torch.bfloat16))
+        for _ in range(2):
+            gluon_linear(xp, packed, qs, cand, permuted=True)
+        torch.cuda.synchronize()
         return 0
     if args.build:
         print(json.dumps([build_facts(c) for c in args.build]))
