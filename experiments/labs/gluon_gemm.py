@@ -33,6 +33,16 @@ from experiments.labs.fragment import perm
 from nf4.device import LOOKUP_ASM, table_asm
 
 TABLE_BF16_FTZ = gl.constexpr(table_asm(True, "bf16"))
+# SHARE: lane q of a quad makes plane q of its rows' tables (entries 4q .. 4q + 3: $2 absmax, $3..$6 their levels),
+# then the quad swaps planes with segmented shuffles (width 4: source lane (lane & ~3) | i)
+QUARTER_BF16_FTZ = gl.constexpr(" ".join([
+    "{", ".reg .b32 p0, p1, p2, p3, q0, q1;",
+    *[f"mul.rn.ftz.f32 p{j}, $2, ${3 + j};" for j in range(4)],
+    "cvt.rn.bf16x2.f32 q0, p1, p0;", "cvt.rn.bf16x2.f32 q1, p3, p2;",
+    "prmt.b32 $0, q0, q1, 0x6420;", "prmt.b32 $1, q0, q1, 0x7531;", "}"]))
+SWAP_PLANES = gl.constexpr(" ".join(
+    [f"shfl.sync.idx.b32 ${i}, $8, {i}, 0x1c1f, -1;" for i in range(4)]
+    + [f"shfl.sync.idx.b32 ${4 + i}, $9, {i}, 0x1c1f, -1;" for i in range(4)]))
 ABSMAX_BLOCK = gl.constexpr(256)  # blocks of absmax per absmax2 scale (bitsandbytes' double quantization)
 
 
@@ -55,28 +65,41 @@ def _absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset):
 
 
 @gluon.jit
-def _decode(words, amax, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
-    """[BN, 8] words (WORDS layout) and their rows' absmax [BN, 1] -> the [BN, 64] bfloat16 A operand in fragment
-    column order (column f of a step holds packed element fragment.perm()[f])."""
-    t0, t1, t2, t3, t4, t5, t6, t7 = gl.inline_asm_elementwise(
-        TABLE_BF16_FTZ, "=r,=r,=r,=r,=r,=r,=r,=r,r", [amax], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
-    p0, p1, p2, p3 = gl.inline_asm_elementwise(
-        LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [words, t0, t1, t2, t3, t4, t5, t6, t7],
+def _decode(words, amax, lv0, lv1, lv2, lv3, BN: gl.constexpr, SHARE: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """[BN, 8] words (WORDS layout) and their rows' absmax [BN] -> the [BN, 64] bfloat16 A operand in fragment
+    column order (column f of a step holds packed element fragment.perm()[f]). SHARE: the quad's lanes make a
+    quarter of each table and swap (lv0..lv3: this lane's 4 levels, [BN, 4]), else each lane makes whole tables."""
+    w0, w1 = gl.split(gl.reshape(words, [BN, 4, 2]))  # [BN, 4 (q)] each: words 2q and 2q + 1 of the row's step
+    if SHARE:
+        a = gl.expand_dims(gl.convert_layout(amax, gl.SliceLayout(1, w0.type.layout)), 1)
+        lo, hi = gl.inline_asm_elementwise(QUARTER_BF16_FTZ, "=r,=r,r,r,r,r,r", [a, lv0, lv1, lv2, lv3],
+                                           dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+        t0, t1, t2, t3, t4, t5, t6, t7 = gl.inline_asm_elementwise(
+            SWAP_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [lo, hi], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
+    else:
+        a = gl.expand_dims(gl.convert_layout(amax, gl.SliceLayout(1, w0.type.layout)), 1)
+        t0, t1, t2, t3, t4, t5, t6, t7 = gl.inline_asm_elementwise(
+            TABLE_BF16_FTZ, "=r,=r,=r,=r,=r,=r,=r,=r,r", [a], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
+    p00, p01, p02, p03 = gl.inline_asm_elementwise(
+        LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [w0, t0, t1, t2, t3, t4, t5, t6, t7],
         dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
-    q = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, 8 (word), 2 (j0), 2 (j1)]: pair j = 2 j1 + j0
+    p10, p11, p12, p13 = gl.inline_asm_elementwise(
+        LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [w1, t0, t1, t2, t3, t4, t5, t6, t7],
+        dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
+    p0, p1, p2, p3 = gl.join(p00, p10), gl.join(p01, p11), gl.join(p02, p12), gl.join(p03, p13)  # [BN, 4, 2 (v)]
+    q = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, 4, 2, 2 (j0), 2 (j1)]: pair j = 2 j1 + j0
     lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [q], dtype=(gl.bfloat16, gl.bfloat16),
                                        is_pure=True, pack=1)
-    t = gl.join(lo, hi)  # [..., 2 (e)]: element 2j + e of the word
-    t = gl.reshape(t, [BN, 4, 2, 2, 2, 2])  # row, q, v (word 2q + v), j0, j1, e
+    t = gl.join(lo, hi)  # [BN, 4 (q), 2 (v: word 2q + v), 2 (j0), 2 (j1), 2 (e)]: element 2j + e of the word
     t = gl.permute(t, [0, 2, 4, 3, 1, 5])  # column 32 v + 16 j1 + 8 j0 + 2 q + e: chunk 2 v + j1, half j0
     return gl.convert_layout(gl.reshape(t, [BN, 64]), A_LAYOUT)
 
 
 @gluon.jit
 def _step(s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, bars, wptr, absmax_ptr, absmax2_ptr,
-          code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, step_bytes: gl.constexpr,
-          BN: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, W_TMA: gl.constexpr, WORDS: gl.constexpr,
-          A_LAYOUT: gl.constexpr):
+          code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, lv0, lv1, lv2, lv3,
+          step_bytes: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, W_TMA: gl.constexpr,
+          SHARE: gl.constexpr, WORDS: gl.constexpr, A_LAYOUT: gl.constexpr):
     """One 64-weight step: decode W's words into the A fragment, issue the wgmma, leave WAIT groups in flight, refill
     the stage the retired wgmma read, and carry the absmax and word prefetches one step on."""
     st = s % STAGES
@@ -88,7 +111,7 @@ def _step(s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, b
     else:
         w_after = gl.load(wptr + gl.minimum(s + 2, last) * 8)
         words = w_now.to(gl.uint32, bitcast=True)
-    a = _decode(words, gl.expand_dims(amax, 1), BN, A_LAYOUT)
+    a = _decode(words, amax, lv0, lv1, lv2, lv3, BN, SHARE, A_LAYOUT)
     if not W_TMA:
         mbarrier.wait(bars.index(st), (s // STAGES) & 1)
     acc = warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
@@ -105,10 +128,10 @@ def _step(s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, b
 
 
 @gluon.jit
-def lab_gluon_gemm_kernel(x_desc, w_desc, words_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, bias_ptr,
-                          out_ptr, part_ptr, M, N, K, BM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                          WAIT: gl.constexpr, W_TMA: gl.constexpr, HAS_BIAS: gl.constexpr, WORDS: gl.constexpr,
-                          num_warps: gl.constexpr):
+def lab_gluon_gemm_kernel(x_desc, w_desc, words_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                          bias_ptr, out_ptr, part_ptr, M, N, K, BM: gl.constexpr, STAGES: gl.constexpr,
+                          SPLIT: gl.constexpr, WAIT: gl.constexpr, W_TMA: gl.constexpr, SHARE: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, WORDS: gl.constexpr, num_warps: gl.constexpr):
     """W_TMA: the packed words come through the TMA stages with x (read back from shared memory), else each lane
     loads its 8 bytes a row from global memory two steps ahead. WAIT: wgmma groups left in flight (0 or 1).
     The absmax chain: a block's byte is loaded two steps ahead and turned into its float32 absmax one step ahead."""
@@ -155,6 +178,12 @@ def lab_gluon_gemm_kernel(x_desc, w_desc, words_ptr, absmax_ptr, absmax2_ptr, co
     else:
         w_now = gl.load(wptr)
         w_next = gl.load(wptr + gl.minimum(1, last) * 8)
+    # this lane's four levels NF4[4q + j] (code_ptr: the NF4 table), as [BN, 4] tensors in the split words' layout
+    c0, _ = gl.split(gl.reshape(gl.zeros([BN, 8], gl.int32, WORDS) + gl.expand_dims(cols, 0), [BN, 4, 2]))
+    lv0 = gl.load(code_ptr + 2 * c0)
+    lv1 = gl.load(code_ptr + 2 * c0 + 1)
+    lv2 = gl.load(code_ptr + 2 * c0 + 2)
+    lv3 = gl.load(code_ptr + 2 * c0 + 3)
     acc = gl.zeros([BN, BM], gl.float32, ACC)
     if WAIT == 1:
         # two steps an iteration, each with its own A registers: a wgmma stays in flight while the next step
@@ -162,18 +191,18 @@ def lab_gluon_gemm_kernel(x_desc, w_desc, words_ptr, absmax_ptr, absmax2_ptr, co
         for s in range(0, n_steps, 2):
             acc, amax, q_next, w_now, w_next = _step(
                 s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, bars, wptr, absmax_ptr,
-                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, step_bytes, BN, STAGES,
-                1, W_TMA, WORDS, A_LAYOUT)
+                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, lv0, lv1, lv2, lv3,
+                step_bytes, BN, STAGES, 1, W_TMA, SHARE, WORDS, A_LAYOUT)
             acc, amax, q_next, w_now, w_next = _step(
                 s + 1, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, bars, wptr, absmax_ptr,
-                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, step_bytes, BN, STAGES,
-                1, W_TMA, WORDS, A_LAYOUT)
+                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, lv0, lv1, lv2, lv3,
+                step_bytes, BN, STAGES, 1, W_TMA, SHARE, WORDS, A_LAYOUT)
     else:
         for s in range(n_steps):
             acc, amax, q_next, w_now, w_next = _step(
                 s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, bars, wptr, absmax_ptr,
-                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, step_bytes, BN, STAGES,
-                0, W_TMA, WORDS, A_LAYOUT)
+                absmax2_ptr, code2_ptr, offset, blk, row_ok, off_m, off_n, k0, n_steps, last, lv0, lv1, lv2, lv3,
+                step_bytes, BN, STAGES, 0, W_TMA, SHARE, WORDS, A_LAYOUT)
     acc = warpgroup_mma_wait(0, deps=[acc])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -194,19 +223,25 @@ def lab_gluon_gemm_kernel(x_desc, w_desc, words_ptr, absmax_ptr, absmax2_ptr, co
 
 # name -> (BM: rows of x a tile, wgmma's N; warps: 4 per 64 rows of W; STAGES; split-K: 0 = as many splits as bring
 # the programs nearest 2 per multiprocessor with at least 8 steps each; WAIT: wgmma groups left in flight; W_TMA: the
-# packed words through the TMA stages, else loaded by each lane two steps ahead)
+# packed words through the TMA stages, else loaded by each lane two steps ahead; SHARE: each lane of a quad makes a
+# quarter of its rows' tables and the quad swaps them by shuffles)
 CANDIDATES = {
-    "g_m16_w4": (16, 4, 8, 0, 0, True),  # M <= 16
-    "g_m16_w4_ld": (16, 4, 8, 0, 1, False),
-    "g_m32_w4_ld": (32, 4, 6, 0, 1, False),
-    "g_m64_w4_ld": (64, 4, 6, 0, 1, False),
-    "g_m128_w4": (128, 4, 4, 0, 0, True),
-    "g_m128_w4_a1": (128, 4, 4, 0, 1, True),
-    "g_m128_w4_ld": (128, 4, 4, 0, 1, False),
-    "g_m256_w4": (256, 4, 3, 1, 0, True),
-    "g_m256_w4_a1": (256, 4, 3, 1, 1, True),
-    "g_m256_w4_ld": (256, 4, 3, 1, 1, False),
-    "g_m256_w8_ld": (256, 8, 3, 1, 1, False),
+    "g_m16_w4": (16, 4, 8, 0, 0, True, False),  # M <= 16
+    "g_m16_w4_ld": (16, 4, 8, 0, 1, False, False),
+    "g_m16_w4_ld_sh": (16, 4, 8, 0, 1, False, True),
+    "g_m32_w4_ld": (32, 4, 6, 0, 1, False, False),
+    "g_m32_w4_ld_sh": (32, 4, 6, 0, 1, False, True),
+    "g_m64_w4_ld": (64, 4, 6, 0, 1, False, False),
+    "g_m64_w4_ld_sh": (64, 4, 6, 0, 1, False, True),
+    "g_m128_w4": (128, 4, 4, 0, 0, True, False),
+    "g_m128_w4_a1": (128, 4, 4, 0, 1, True, False),
+    "g_m128_w4_a1_sh": (128, 4, 4, 0, 1, True, True),
+    "g_m128_w4_ld_sh": (128, 4, 4, 0, 1, False, True),
+    "g_m256_w4": (256, 4, 3, 1, 0, True, False),
+    "g_m256_w4_a1": (256, 4, 3, 1, 1, True, False),
+    "g_m256_w4_a1_sh": (256, 4, 3, 1, 1, True, True),
+    "g_m256_w8_ld": (256, 8, 3, 1, 1, False, False),
+    "g_m256_w8_ld_sh": (256, 8, 3, 1, 1, False, True),
 }
 _PERM: dict = {}
 _PARTS: dict = {}
@@ -238,7 +273,7 @@ def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torc
     """out = x W^T + bias (bf16, blocksize 64, double quantization); x is permuted here unless `permuted`."""
     from nf4.linear.common import nf4_split_sum_kernel
 
-    bm, warps, stages, split, wait, w_tma = CANDIDATES[cand]
+    bm, warps, stages, split, wait, w_tma, share = CANDIDATES[cand]
     xp = x if permuted else permute_x(x)
     m, k = xp.shape
     if wait and (k // 64) % 2:
@@ -259,9 +294,9 @@ def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torc
         if part is None:
             part = _PARTS[key] = torch.empty(split, m, n, device=xp.device, dtype=torch.float32)
     grid = (triton_cdiv(n, bn), triton_cdiv(m, bm), split)
-    lab_gluon_gemm_kernel[grid](x_desc, w_desc, words, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset,
+    lab_gluon_gemm_kernel[grid](x_desc, w_desc, words, qs.code, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset,
                                 bias if bias is not None else out, out, part, m, n, k, bm, stages, split, wait,
-                                w_tma, bias is not None, words_layout(warps), num_warps=warps,
+                                w_tma, share, bias is not None, words_layout(warps), num_warps=warps,
                                 enable_fp_fusion=False)
     if split > 1:
         mn = m * n
@@ -286,15 +321,16 @@ def build_facts(cand: str, arch: int = 90, sass_path: str | None = None) -> dict
 
     from . import sass_count as sc
 
-    bm, warps, stages, split, wait, w_tma = CANDIDATES[cand]
+    bm, warps, stages, split, wait, w_tma, share = CANDIDATES[cand]
     bn = 16 * warps
     xl = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm},64],{xl!r}>", "w_desc": f"tensordesc<i32[{bn},8],{wl!r}>",
-           "words_ptr": "*i32", "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32",
+           "words_ptr": "*i32", "code_ptr": "*fp32", "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32",
            "offset_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32",
            "K": "i32"}
-    const = {"BM": bm, "STAGES": stages, "SPLIT": max(split, 2), "WAIT": wait, "W_TMA": w_tma, "HAS_BIAS": False,
+    const = {"BM": bm, "STAGES": stages, "SPLIT": max(split, 2), "WAIT": wait, "W_TMA": w_tma, "SHARE": share,
+             "HAS_BIAS": False,
              "WORDS": words_layout(warps), "num_warps": warps}
     sig.update({name: "constexpr" for name in const})
     src = GluonASTSource(lab_gluon_gemm_kernel, sig, constexprs=const)
@@ -314,14 +350,14 @@ def build_facts(cand: str, arch: int = 90, sass_path: str | None = None) -> dict
     ops: dict = {}
     for op, _ in loop:
         ops[op.split(".")[0]] = ops.get(op.split(".")[0], 0) + 1
-    weights = 64 * bn // (32 * warps)  # weights each thread decodes per step
+    weights = 64 * bn // (32 * warps) * (1 + wait)  # weights each thread decodes per pass of the loop
     alu = sum(v for op, v in ops.items() if op in ("PRMT", "LOP3", "SHF", "IADD3", "LEA", "ISETP", "SEL", "VIADD",
                                                    "IMNMX", "VIMNMX", "SGXT"))
     return {**sc.registers(compiled.asm["cubin"]), "candidate": cand, "arch": f"sm_{arch}",
             "shared_bytes": compiled.metadata.shared,
             "wgmma_register_a": bool(hg) and all(re.search(r"BF16 R\d+, R\d+, gdesc", insns[i][1]) for i in hg),
             "wgmma_in_flight": max((int(v, 16) for v in re.findall(r"gsb0, 0x([0-9a-f]+)", sass)), default=None),
-            "loop_instructions": len(loop), "loop_ops": ops, "weights_per_thread_step": weights,
+            "loop_instructions": len(loop), "loop_ops": ops, "weights_per_thread_loop": weights,
             "loop_alu_per_weight": alu / weights, "loop_imad_per_weight": ops.get("IMAD", 0) / weights,
             "loop_bar_sync": sum(op.startswith("BAR.SYNC") for op, _ in loop),
             "loop_shared": {op: ops.get(op, 0) for op in ("LDS", "STS", "LDSM", "STSM")}, "triton": triton.__version__}
