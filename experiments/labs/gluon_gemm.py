@@ -364,7 +364,9 @@ def build_facts(cand: str, arch: int = 90, sass_path: str | None = None) -> dict
 
 
 def fits(cand: str, m: int) -> bool:
-    bm = CANDIDATES[cand][0]
+    from .gluon_ws import CANDIDATES as WS
+
+    bm = (CANDIDATES.get(cand) or WS[cand])[0]
     return bm == 16 if m <= 16 else bm == 32 if m <= 32 else bm == 64 if m <= 64 else bm >= 128
 
 
@@ -375,6 +377,8 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
     from verify import timing
 
     from .gemv_lut import identity_rows, make_weights, operand_mismatches
+    from .gluon_ws import CANDIDATES as WS
+    from .gluon_ws import ws_linear
 
     dtype = torch.bfloat16
     sets = make_weights(n, k, dtype, copies=timing.rotation_count(n * k // 2))
@@ -400,20 +404,26 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
         rows.append({**base, "provider": "permute_x", "graph_us": timed(lambda i, xr=xr: permute_x(xr))})
         ref = torch.nn.functional.linear(xr.float(), wds[0].float())
         for cand in [c for c in candidates if fits(c, m)]:
-            row = {**base, "provider": cand, "config": CANDIDATES[cand]}
+            row = {**base, "provider": cand, "config": CANDIDATES.get(cand) or WS[cand]}
+            if cand in WS:
+                def call(xx, packed, qs, c, o, permuted=False):
+                    return ws_linear(xx, packed, qs, c, o)
+            else:
+                call = gluon_linear
             try:
                 out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-                y = gluon_linear(x, *sets[0], cand, out)
+                y = call(x, *sets[0], cand, out)
                 torch.cuda.synchronize()
                 row["operand_mismatches"] = operand_mismatches(y[:mi], wds[0], cols, scales)
                 out.fill_(float("nan"))
-                y = gluon_linear(xr, *sets[0], cand, out)
+                y = call(xr, *sets[0], cand, out)
                 err = (y.float() - ref).abs()
                 bound = (xr.float().abs() @ wds[0].float().abs().t()) * (k * 2.0**-24) + ref.abs() * 2.0**-8
                 row["random_within_bound"] = bool((err <= bound).all())
-                row["graph_us"] = timed(lambda i, c=cand, o=out, xr=xr: gluon_linear(xr, *sets[i % len(sets)], c, o))
-                row["kernel_us"] = timed(lambda i, c=cand, o=out, xp=xrp: gluon_linear(xp, *sets[i % len(sets)], c, o,
-                                                                                     permuted=True))
+                row["graph_us"] = timed(lambda i, c=cand, o=out, xr=xr, f=call: f(xr, *sets[i % len(sets)], c, o))
+                if cand not in WS:
+                    row["kernel_us"] = timed(lambda i, c=cand, o=out, xp=xrp: gluon_linear(xp, *sets[i % len(sets)], c,
+                                                                                         o, permuted=True))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:800]
             rows.append(row)
@@ -447,14 +457,14 @@ def report(paths) -> str:
         for (n, k, m), rows in groups.items():
             us = {r["provider"]: r.get("graph_us") for r in rows if r.get("graph_us")}
             dense = us.get("cublas_dense")
-            ok = [r for r in rows if r["provider"] in CANDIDATES and r.get("graph_us")
+            ok = [r for r in rows if r["provider"].startswith(("g_", "ws_")) and r.get("graph_us")
                   and r.get("operand_mismatches") == 0 and r.get("random_within_bound")]
             if not dense or not ok:
                 continue
             best = min(ok, key=lambda r: r["graph_us"])
             out.append(f"| {n} x {k} | {m} | {dense:.1f} | {us.get('nf4.linear', float('nan')) / dense:.2f} | "
                        f"{best['graph_us'] / dense:.2f} ({best['provider']}) | "
-                       f"{(best.get('kernel_us') or float('nan')) / dense:.2f} |")
+                       f"{(best.get('kernel_us') or best['graph_us']) / dense:.2f} |")
         out.append("")
     return "\n".join(out)
 
@@ -464,7 +474,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["4096x4096", "14336x4096", "4096x14336"])
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 16, 32, 64, 128, 512, 2048])
-    ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    from .gluon_ws import CANDIDATES as WS
+
+    ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES) + list(WS), choices=list(CANDIDATES) + list(WS))
     ap.add_argument("--out", default="build/labs/gluon_gemm.json")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print a markdown table and exit")
     ap.add_argument("--build", nargs="+", default=None, metavar="CANDIDATE",
@@ -481,9 +493,15 @@ def main(argv=None) -> int:
         cand, shape, m = args.probe[0], args.probe[1], int(args.probe[2])
         n, k = (int(v) for v in shape.lower().split("x"))
         (packed, qs), = make_weights(n, k, torch.bfloat16, copies=1)
-        xp = permute_x(torch.randn((m, k), device="cuda").to(torch.bfloat16))
+        x = torch.randn((m, k), device="cuda").to(torch.bfloat16)
+        xp = permute_x(x)
         for _ in range(2):
-            gluon_linear(xp, packed, qs, cand, permuted=True)
+            if cand.startswith("ws_"):
+                from .gluon_ws import ws_linear
+
+                ws_linear(x, packed, qs, cand)
+            else:
+                gluon_linear(xp, packed, qs, cand, permuted=True)
         torch.cuda.synchronize()
         return 0
     if args.build:
@@ -502,7 +520,7 @@ def main(argv=None) -> int:
     import triton
 
     facts = []
-    for c in args.candidates:
+    for c in [c for c in args.candidates if c in CANDIDATES]:
         try:
             facts.append(build_facts(c))
         except Exception as exc:
