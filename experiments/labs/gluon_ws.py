@@ -32,12 +32,15 @@ from nf4.device import LOOKUP_ASM
 from .gluon_gemm import TABLE_BF16_FTZ, _absmax, splits, triton_cdiv
 
 # name -> (BM: rows of x a tile; BN: rows of W (16 math warps per 256); STAGES; split-K (0: fill the GPU);
-# decoder registers)
-# (16 warps in all: 8 math, 1 loader rounded to a warp group, 4 decoders; maxnreg 128 fits one program an SM)
+# decoder warps (4: a row a thread, 8: half a row), their registers, the kernel's maxnreg)
+# (8 math warps, 1 loader rounded to a warp group, 4 or 8 decoders: maxnreg 128 or 96 fits one program an SM)
 CANDIDATES = {
-    "ws_m16_n128": (16, 128, 6, 0, 128),
-    "ws_m64_n128": (64, 128, 5, 0, 128),
-    "ws_m128_n128": (128, 128, 4, 0, 128),
+    "ws_m16_n128": (16, 128, 6, 0, 4, 128, 128),
+    "ws_m64_n128": (64, 128, 5, 0, 4, 128, 128),
+    "ws_m128_n128": (128, 128, 4, 0, 4, 128, 128),
+    "ws_m16_n128_d8": (16, 128, 6, 0, 8, 96, 96),
+    "ws_m64_n128_d8": (64, 128, 5, 0, 8, 96, 96),
+    "ws_m128_n128_d8": (128, 128, 4, 0, 8, 96, 96),
 }
 
 
@@ -59,7 +62,12 @@ def _decoder(x_desc, w_desc, x_bufs, w_bufs, a_bufs, ready, empty, a_ready, a_em
              code2_ptr, offset_ptr, off_m, off_n, k0, n_steps, N, K):
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BN: gl.constexpr = w_bufs.type.shape[1]
-    WL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [BN // 32, 1], [1, 0])  # a thread: one row's 8 words
+    DEC: gl.constexpr = gl.num_warps()
+    # a thread: one row's 8 words (BN = 32 x decoder warps) or half a row's (BN = 16 x decoder warps)
+    if BN == 32 * DEC:
+        WL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [DEC, 1], [1, 0])
+    else:
+        WL: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [DEC, 1], [1, 0])
     PAIRS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     KB = K // 64
     last = n_steps - 1
@@ -128,7 +136,8 @@ def _math(x_bufs, a_bufs, ready, empty, a_ready, a_empty, n_steps, bias_ptr, out
 @gluon.jit
 def lab_gluon_ws_kernel(x_desc, w_desc, a_layout: gl.constexpr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                         bias_ptr, out_ptr, part_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
-                        STAGES: gl.constexpr, SPLIT: gl.constexpr, DEC_REGS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        STAGES: gl.constexpr, SPLIT: gl.constexpr, DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr,
+                        HAS_BIAS: gl.constexpr,
                         num_warps: gl.constexpr):
     KB = K // 64
     off_n = gl.program_id(0) * BN
@@ -156,7 +165,7 @@ def lab_gluon_ws_kernel(x_desc, w_desc, a_layout: gl.constexpr, absmax_ptr, absm
                  off_n, BM, SPLIT, HAS_BIAS, num_warps)),
         (_loader, wargs),
         (_decoder, wargs),
-    ], [1, 4], [24, DEC_REGS])
+    ], [1, DEC_WARPS], [24, DEC_REGS])
 
 
 _PARTS: dict = {}
@@ -173,7 +182,7 @@ def ws_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.T
     """out = x W^T + bias (bf16, blocksize 64, double quantization); x in its own column order."""
     from nf4.linear.common import nf4_split_sum_kernel
 
-    bm, bn, stages, split, dec_regs = CANDIDATES[cand]
+    bm, bn, stages, split, dec_warps, dec_regs, maxnreg = CANDIDATES[cand]
     m, k = x.shape
     n = qs.shape[0]
     words = packed.reshape(-1).view(torch.int32).view(n, k // 8)
@@ -191,8 +200,8 @@ def ws_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.T
             part = _PARTS[key] = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     grid = (triton_cdiv(n, bn), triton_cdiv(m, bm), split)
     lab_gluon_ws_kernel[grid](x_desc, w_desc, al, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset,
-                              bias if bias is not None else out, out, part, m, n, k, bm, bn, stages, split, dec_regs,
-                              bias is not None, num_warps=bn // 16, enable_fp_fusion=False, maxnreg=128)
+                              bias if bias is not None else out, out, part, m, n, k, bm, bn, stages, split, dec_warps,
+                              dec_regs, bias is not None, num_warps=bn // 16, enable_fp_fusion=False, maxnreg=maxnreg)
     if split > 1:
         mn = m * n
         nf4_split_sum_kernel[(triton_cdiv(mn, 1024),)](part, bias if bias is not None else out, out, mn, n,
@@ -207,16 +216,17 @@ def build(cand: str, arch: int = 90, options: dict | None = None):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    bm, bn, stages, split, dec_regs = CANDIDATES[cand]
+    bm, bn, stages, split, dec_warps, dec_regs, maxnreg = CANDIDATES[cand]
     xl, wl, al = layouts(bm, bn)
     sig = {"x_desc": f"tensordesc<bf16[{bm},64],{xl!r}>", "w_desc": f"tensordesc<i32[{bn},8],{wl!r}>",
            "a_layout": "constexpr", "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32",
            "offset_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32",
            "N": "i32", "K": "i32"}
-    const = {"a_layout": al, "BM": bm, "BN": bn, "STAGES": stages, "SPLIT": max(split, 2), "DEC_REGS": dec_regs,
+    const = {"a_layout": al, "BM": bm, "BN": bn, "STAGES": stages, "SPLIT": max(split, 2), "DEC_WARPS": dec_warps,
+             "DEC_REGS": dec_regs,
              "HAS_BIAS": False, "num_warps": bn // 16}
     sig.update({name: "constexpr" for name in const})
     src = GluonASTSource(lab_gluon_ws_kernel, sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": bn // 16, "enable_fp_fusion": False, "maxnreg": 128,
+                          options={"num_warps": bn // 16, "enable_fp_fusion": False, "maxnreg": maxnreg,
                                    **(options or {})})
