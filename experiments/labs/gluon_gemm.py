@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from experiments.labs.fragment import perm
-from nf4.device import LOOKUP_ASM, table_asm
+from nf4.device import LOOKUP_ASM
 
-TABLE_BF16_FTZ = gl.constexpr(table_asm(True, "bf16"))
+from .gluon_common import TABLE_BF16_FTZ, _absmax, _tma_load, splits, triton_cdiv
+
 # SHARE: lane q of a quad makes plane q of its rows' tables (entries 4q .. 4q + 3: $2 absmax, $3..$6 their levels),
 # then the quad swaps planes with segmented shuffles (width 4: source lane (lane & ~3) | i)
 QUARTER_BF16_FTZ = gl.constexpr(" ".join([
@@ -43,7 +44,6 @@ QUARTER_BF16_FTZ = gl.constexpr(" ".join([
 SWAP_PLANES = gl.constexpr(" ".join(
     [f"shfl.sync.idx.b32 ${i}, $8, {i}, 0x1c1f, -1;" for i in range(4)]
     + [f"shfl.sync.idx.b32 ${4 + i}, $9, {i}, 0x1c1f, -1;" for i in range(4)]))
-ABSMAX_BLOCK = gl.constexpr(256)  # blocks of absmax per absmax2 scale (bitsandbytes' double quantization)
 
 
 def words_layout(warps: int) -> gl.DistributedLinearLayout:
@@ -51,17 +51,6 @@ def words_layout(warps: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[16 * warps, 8])
-
-
-@gluon.jit
-def _absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset):
-    """Double quantization: code2[q] * absmax2[blk // 256] (mul.rn.ftz) + offset for absmax bytes q of blocks blk,
-    as bitsandbytes (two roundings)."""
-    level = gl.load(code2_ptr + q.to(gl.int32), mask=ok, other=0.0)
-    scale2 = gl.load(absmax2_ptr + blk // ABSMAX_BLOCK, mask=ok, other=0.0)
-    prod = gl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [level, scale2], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-    return prod + offset
 
 
 @gluon.jit
@@ -120,9 +109,9 @@ def _step(s, acc, amax, q_next, w_now, w_next, x_desc, w_desc, x_smem, w_smem, b
     ns = nxt % STAGES
     ok = nxt < n_steps
     mbarrier.expect(bars.index(ns), step_bytes, pred=ok)
-    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + nxt) * 64], bars.index(ns), x_smem.index(ns), pred=ok)
+    _tma_load(x_desc, [off_m, (k0 + nxt) * 64], bars.index(ns), x_smem.index(ns), pred=ok)
     if W_TMA:
-        tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + nxt) * 8], bars.index(ns), w_smem.index(ns), pred=ok)
+        _tma_load(w_desc, [off_n, (k0 + nxt) * 8], bars.index(ns), w_smem.index(ns), pred=ok)
     amax = _absmax(q_next, blk + gl.minimum(s + 1, last), row_ok, absmax2_ptr, code2_ptr, offset)
     return acc, amax, q_after, w_next, w_after
 
@@ -160,9 +149,9 @@ def lab_gluon_gemm_kernel(x_desc, w_desc, words_ptr, code_ptr, absmax_ptr, absma
     for i in gl.static_range(STAGES - 1):
         ok = i < n_steps
         mbarrier.expect(bars.index(i), step_bytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * 64], bars.index(i), x_smem.index(i), pred=ok)
+        _tma_load(x_desc, [off_m, (k0 + i) * 64], bars.index(i), x_smem.index(i), pred=ok)
         if W_TMA:
-            tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + i) * 8], bars.index(i), w_smem.index(i), pred=ok)
+            _tma_load(w_desc, [off_n, (k0 + i) * 8], bars.index(i), w_smem.index(i), pred=ok)
 
     rows = off_n + gl.arange(0, BN, layout=ROWS)
     row_ok = rows < N
@@ -256,18 +245,6 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(m, k // 64, 64).index_select(2, p).reshape(m, k)
 
 
-def splits(tiles: int, steps: int, split: int, sms: int = 132) -> int:
-    if split:
-        return split
-    best = 1
-    for s in range(1, 17):
-        if steps // s < 8:
-            break
-        if abs(tiles * s - 2 * sms) < abs(tiles * best - 2 * sms):
-            best = s
-    return best
-
-
 def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, permuted: bool = False) -> torch.Tensor:
     """out = x W^T + bias (bf16, blocksize 64, double quantization); x is permuted here unless `permuted`."""
@@ -304,10 +281,6 @@ def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torc
                                                        SPLIT=split, HAS_BIAS=bias is not None, X_DT=2,
                                                        BF16_BITS=False, BLOCK=1024)
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def build_facts(cand: str, arch: int = 90, sass_path: str | None = None) -> dict:
@@ -505,7 +478,11 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         return 0
     if args.build:
-        print(json.dumps([build_facts(c) for c in args.build]))
+        from . import sass_count as sc
+        from .gluon_ws import build as ws_build
+
+        print(json.dumps([build_facts(c) if c in CANDIDATES else
+                          {"candidate": c, **sc.registers(ws_build(c).asm["cubin"])} for c in args.build]))
         return 0
     if not torch.cuda.is_available():
         print("gluon_gemm needs a CUDA GPU (sm_90)")

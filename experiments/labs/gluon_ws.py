@@ -21,7 +21,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -29,7 +28,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from nf4.device import LOOKUP_ASM
 
-from .gluon_gemm import TABLE_BF16_FTZ, _absmax, splits, triton_cdiv
+from .gluon_common import TABLE_BF16_FTZ, _absmax, _tma_load, splits, triton_cdiv
+
+NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 # name -> (BM: rows of x a tile; BN: rows of W (16 math warps per 256); STAGES; split-K (0: fill the GPU);
 # decoder warps (4: a row a thread, 8: half a row), their registers, the kernel's maxnreg)
@@ -53,8 +54,8 @@ def _loader(x_desc, w_desc, x_bufs, w_bufs, a_bufs, ready, empty, a_ready, a_emp
         st = s % STAGES
         mbarrier.wait(empty.index(st), ((s // STAGES) & 1) ^ 1)  # the decoder and the math warps let go of it
         mbarrier.expect(ready.index(st), nbytes)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + s) * 64], ready.index(st), x_bufs.index(st))
-        tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + s) * 8], ready.index(st), w_bufs.index(st))
+        _tma_load(x_desc, [off_m, (k0 + s) * 64], ready.index(st), x_bufs.index(st))
+        _tma_load(w_desc, [off_n, (k0 + s) * 8], ready.index(st), w_bufs.index(st))
 
 
 @gluon.jit
@@ -94,8 +95,11 @@ def _decoder(x_desc, w_desc, x_bufs, w_bufs, a_bufs, ready, empty, a_ready, a_em
         q = gl.join(gl.join(p0, p2), gl.join(p1, p3))  # [BN, 8, 2 (j1), 2 (j0)]: pair j = 2 j1 + j0
         # pair 4 w + j holds the weights of columns 8 w + 2 j (low half) and + 1: the tile's 32-bit view in K order
         mbarrier.wait(a_empty.index(st), ph ^ 1)
-        a_bufs.index(st)._reinterpret(gl.int32, [BN, 32], PAIRS).store(gl.reshape(q, [BN, 32]).to(gl.int32,
-                                                                                               bitcast=True))
+        if NEW_REINTERPRET:  # Triton 3.9's name (CI's offline builds); 3.6's below
+            a32 = a_bufs.index(st).reinterpret(gl.int32, [BN, 32], PAIRS)
+        else:
+            a32 = a_bufs.index(st)._reinterpret(gl.int32, [BN, 32], PAIRS)
+        a32.store(gl.reshape(q, [BN, 32]).to(gl.int32, bitcast=True))
         fence_async_shared()  # the tile is read by wgmma (the async proxy)
         mbarrier.arrive(a_ready.index(st), count=1)
         amax = _absmax(q_next, blk + gl.minimum(s + 1, last), row_ok, absmax2_ptr, code2_ptr, offset)

@@ -1,0 +1,90 @@
+"""experiments.labs.gluon_gemm / gluon_ws: the Gluon kernels' column bookkeeping, replayed in NumPy with the same
+reshapes and permutations the kernels apply to their registers, against fragment.py's model; x's permutation; the
+split and report helpers. The kernels themselves run on a GPU only (gluon_gemm's operand checks); the slow test builds
+them offline for sm_90."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from experiments.labs import fragment as fr
+from experiments.labs import gluon_gemm as gg
+
+
+def _packed_element_grid(bn: int) -> np.ndarray:
+    """[bn, 4 (q), 2 (v), 2 (j0), 2 (j1), 2 (e)]: the packed element of the step each decoded half holds, in the
+    order gluon_gemm._decode builds it (words 2q + v, pair j = 2 j1 + j0 of table_pairs, half e)."""
+    g = np.zeros((bn, 4, 2, 2, 2, 2), dtype=np.int64)
+    for q in range(4):
+        for v in range(2):
+            for j0 in range(2):
+                for j1 in range(2):
+                    for e in range(2):
+                        g[:, q, v, j0, j1, e] = fr.packed_element(q, v, 2 * j1 + j0, e)
+    return g
+
+
+def test_register_operand_relabelling_is_the_fragment_model():
+    # gluon_gemm._decode: permute [0, 2, 4, 3, 1, 5], then reshape to [BN, 64]: column f must hold perm()[f]
+    tile = np.transpose(_packed_element_grid(16), [0, 2, 4, 3, 1, 5]).reshape(16, 64)
+    assert (tile == fr.perm()[None, :]).all()
+    # and a different permutation would not be
+    wrong = np.transpose(_packed_element_grid(16), [0, 2, 3, 4, 1, 5]).reshape(16, 64)
+    assert not (wrong == fr.perm()[None, :]).all()
+
+
+def test_shared_tile_pairs_are_in_k_order():
+    # gluon_ws._decoder: join(join(p0, p2), join(p1, p3)) -> [BN, 8 (w), 2 (j1), 2 (j0)] -> [BN, 32]: 32-bit column
+    # 4 w + j must hold pair j of word w (columns 8 w + 2 j, + 1 of the bf16 tile); gl.join stacks on a new last axis
+    p = [np.full(8, j) for j in range(4)]  # pair j of each of the row's 8 words
+    q = np.stack([np.stack([p[0], p[2]], -1), np.stack([p[1], p[3]], -1)], -1).reshape(32)
+    assert (q == np.tile(np.arange(4), 8)).all()
+    swapped = np.stack([np.stack([p[0], p[1]], -1), np.stack([p[2], p[3]], -1)], -1).reshape(32)
+    assert not (swapped == np.tile(np.arange(4), 8)).all()
+
+
+def test_permute_x_is_fragment_order():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 3 * 64, generator=gen).to(torch.bfloat16)
+    got = gg.permute_x(x)
+    want = fr.fragment_order(x.float().numpy())
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert np.array_equal(got.float().numpy(), want)
+    assert torch.equal(x, gg.permute_x(x.clone()).reshape(5, 3, 64)[:, :, np.argsort(fr.perm())].reshape(5, 192))
+
+
+def test_splits_by_hand():
+    assert gg.splits(64, 224, 0) == 4  # 64 tiles: 4 splits make 256, nearest 2 x 132
+    assert gg.splits(512, 224, 0) == 1
+    assert gg.splits(8, 16, 0) == 2  # at least 8 steps a split
+    assert gg.splits(8, 64, 3) == 3  # a fixed split wins
+
+
+def test_report_by_hand(tmp_path):
+    rows = [{"N": 256, "K": 512, "M": 128, "provider": "cublas_dense", "graph_us": 10.0},
+            {"N": 256, "K": 512, "M": 128, "provider": "nf4.linear", "graph_us": 15.0},
+            {"N": 256, "K": 512, "M": 128, "provider": "g_m128_w4_a1_sh", "graph_us": 12.0, "kernel_us": 11.0,
+             "operand_mismatches": 0, "random_within_bound": True},
+            {"N": 256, "K": 512, "M": 128, "provider": "ws_m128_n128", "graph_us": 11.5,
+             "operand_mismatches": 1, "random_within_bound": True}]  # not exact: never the best
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"device": "GPU", "environment": {"commit": "abc"}, "rows": rows}))
+    assert "| 256 x 512 | 128 | 10.0 | 1.50 | 1.20 (g_m128_w4_a1_sh) | 1.10 |" in gg.report([str(path)])
+
+
+@pytest.mark.slow  # offline sm_90 builds in a child process without the interpreter (make test-long)
+def test_builds_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "experiments.labs.gluon_gemm", "--build", "g_m128_w4_a1_sh",
+                          "ws_m128_n128"], capture_output=True, text=True, env=env, timeout=900, check=True).stdout
+    rs, ws = json.loads(out.strip().splitlines()[-1])
+    assert rs["local"] == 0 and ws["local"] == 0
+    assert rs["wgmma_register_a"] and rs["wgmma_in_flight"] == 1  # the decoded tile is the register operand
+    assert rs["loop_shared"]["STS"] == 0 and rs["loop_shared"]["STSM"] == 0  # and never goes through shared memory
