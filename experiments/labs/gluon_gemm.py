@@ -24,12 +24,13 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from experiments.labs.fragment import perm
 from nf4.device import LOOKUP_ASM
 
 from .gluon_common import TABLE_BF16_FTZ, _absmax, _tma_load, splits, triton_cdiv
@@ -232,17 +233,31 @@ CANDIDATES = {
     "g_m256_w8_ld": (256, 8, 3, 1, 1, False, False),
     "g_m256_w8_ld_sh": (256, 8, 3, 1, 1, False, True),
 }
-_PERM: dict = {}
 _PARTS: dict = {}
 
 
-def permute_x(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] with each 64-column step in fragment column order (a copy): column f of a step is column perm()[f]."""
-    p = _PERM.get(x.device)
-    if p is None:
-        p = _PERM[x.device] = torch.as_tensor(perm(), device=x.device)
+@triton.jit
+def lab_permute_x_kernel(x_ptr, out_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """out[:, 64 s + f] = x[:, 64 s + perm[f]], perm computed from f's bits (fragment.perm: f = 16 c + 8 h + 2 q + e
+    holds packed element 16 q + 8 (c >> 1) + 4 (c & 1) + 2 h + e)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    col = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    f = col % 64
+    src = col - f + 16 * ((f >> 1) & 3) + 8 * (f >> 5) + 4 * ((f >> 4) & 1) + 2 * ((f >> 3) & 1) + (f & 1)
+    ok = (r[:, None] < M) & (col[None, :] < K)
+    row = r[:, None].to(tl.int64) * K
+    tl.store(out_ptr + row + col[None, :], tl.load(x_ptr + row + src[None, :], mask=ok), mask=ok)
+
+
+def permute_x(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (contiguous, K a multiple of 64) with each 64-column step in fragment column order: column f of a
+    step is column perm()[f]. One Triton gather (a copy); the interpreter runs it too."""
     m, k = x.shape
-    return x.reshape(m, k // 64, 64).index_select(2, p).reshape(m, k)
+    if out is None:
+        out = torch.empty_like(x)
+    rows, cols = 8, 512
+    lab_permute_x_kernel[(triton_cdiv(m, rows), triton_cdiv(k, cols))](x, out, m, k, ROWS=rows, COLS=cols)
+    return out
 
 
 def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.Tensor | None = None,
@@ -288,7 +303,6 @@ def build_facts(cand: str, arch: int = 90, sass_path: str | None = None) -> dict
     registers, block-wide barriers and shared loads/stores in the K loop, and the loop's instructions by class."""
     import re
 
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -494,8 +508,6 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
         rows += run_weight(n, k, args.ms, args.candidates)
-    import triton
-
     facts = []
     for c in [c for c in args.candidates if c in CANDIDATES]:
         try:

@@ -58,6 +58,12 @@ def test_permute_x_is_fragment_order():
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     assert np.array_equal(got.float().numpy(), want)
     assert torch.equal(x, gg.permute_x(x.clone()).reshape(5, 3, 64)[:, :, np.argsort(fr.perm())].reshape(5, 192))
+    # every element written (a poisoned out), the input unchanged, and more columns than one program takes
+    x2 = torch.randn(3, 11 * 64, generator=gen).to(torch.bfloat16)
+    keep = x2.clone()
+    out = torch.full_like(x2, float("nan"))
+    assert gg.permute_x(x2, out) is out
+    assert np.array_equal(out.float().numpy(), fr.fragment_order(x2.float().numpy())) and torch.equal(x2, keep)
 
 
 def test_splits_by_hand():
