@@ -1,5 +1,5 @@
 """What the Gluon labs (gluon_gemm.py, gluon_ws.py) share: the exact product-table asm, the double-quantized absmax,
-the TMA load under both Triton versions' names, the split-K choice."""
+the TMA load under both Triton versions' names, the swap-AB epilogue, the split-K choice."""
 
 from __future__ import annotations
 
@@ -26,7 +26,28 @@ def _absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset):
     return prod + offset
 
 
+@gluon.jit
+def _store_out(acc, off_n, off_m, M, N, bias_ptr, out_ptr, part_ptr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """The swap-AB epilogue: acc [BN rows of W, BM rows of x] (float32) -> out[m, n] rounded to bf16 (+ bias), or with
+    SPLIT > 1 the float32 partial sums, which nf4_split_sum_kernel adds in split order with the bias and rounds."""
+    BN: gl.constexpr = acc.shape[0]
+    BM: gl.constexpr = acc.shape[1]
+    ACC: gl.constexpr = acc.type.layout
+    n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+    m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+    mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
+    idx = gl.expand_dims(m, 0) * N + gl.expand_dims(n, 1)
+    if SPLIT > 1:
+        gl.store(part_ptr + gl.program_id(2) * M * N + idx, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32), 1)
+        gl.store(out_ptr + idx, acc.to(gl.bfloat16), mask=mask)
+
+
 def splits(tiles: int, steps: int, split: int, sms: int = 132) -> int:
+    """split-K: `split` if set, else the count (at most 16, at least 8 steps each) that brings tiles x splits nearest
+    two programs a multiprocessor."""
     if split:
         return split
     best = 1

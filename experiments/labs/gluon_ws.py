@@ -28,7 +28,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from nf4.device import LOOKUP_ASM
 
-from .gluon_common import TABLE_BF16_FTZ, _absmax, _tma_load, splits, triton_cdiv
+from .gluon_common import TABLE_BF16_FTZ, _absmax, _store_out, _tma_load, splits, triton_cdiv
 
 NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
@@ -125,16 +125,7 @@ def _math(x_bufs, a_bufs, ready, empty, a_ready, a_empty, n_steps, bias_ptr, out
         mbarrier.arrive(empty.index(prev), count=1, pred=s > 0)
         mbarrier.arrive(a_empty.index(prev), count=1, pred=s > 0)
     acc = warpgroup_mma_wait(0, deps=[acc])
-    n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-    m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-    mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
-    idx = gl.expand_dims(m, 0) * N + gl.expand_dims(n, 1)
-    if SPLIT > 1:  # float32 partial sums; nf4_split_sum_kernel adds them in split order, the bias, and rounds
-        gl.store(part_ptr + gl.program_id(2) * M * N + idx, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc = acc + gl.expand_dims(gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32), 1)
-        gl.store(out_ptr + idx, acc.to(gl.bfloat16), mask=mask)
+    _store_out(acc, off_n, off_m, M, N, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_BIAS)
 
 
 @gluon.jit
