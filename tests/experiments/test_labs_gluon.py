@@ -40,6 +40,14 @@ def test_register_operand_relabelling_is_the_fragment_model():
     assert not (wrong == fr.perm()[None, :]).all()
 
 
+def test_in_kernel_x_relabelling_is_perm():
+    # gluon_gemm._step with X_REG: x's natural [BM, 64] tile, reshaped to 7 dims, permuted [0, 3, 4, 5, 1, 2, 6] and
+    # reshaped back, must hold x's column perm()[f] at column f: the same permutation as permute_x
+    cols = np.broadcast_to(np.arange(64), (4, 64))
+    got = np.transpose(cols.reshape(4, 2, 2, 2, 2, 2, 2), [0, 3, 4, 5, 1, 2, 6]).reshape(4, 64)
+    assert (got == fr.perm()[None, :]).all()
+
+
 def test_shared_tile_pairs_are_in_k_order():
     # gluon_ws._decoder: join(join(p0, p2), join(p1, p3)) -> [BN, 8 (w), 2 (j1), 2 (j0)] -> [BN, 32]: 32-bit column
     # 4 w + j must hold pair j of word w (columns 8 w + 2 j, + 1 of the bf16 tile); gl.join stacks on a new last axis
