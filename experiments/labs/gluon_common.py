@@ -59,5 +59,37 @@ def splits(tiles: int, steps: int, split: int, sms: int = 132) -> int:
     return best
 
 
+_PARTS: dict = {}
+
+
+def partial_sums(split: int, m: int, n: int, out):
+    """The float32 [split, m, n] buffer of split-K's partial sums (kept per shape and device), or `out` itself when
+    there is one split (the kernels then round and store there)."""
+    import torch
+
+    if split <= 1:
+        return out
+    key = (split, m, n, out.device)
+    part = _PARTS.get(key)
+    if part is None:
+        part = _PARTS[key] = torch.empty(split, m, n, device=out.device, dtype=torch.float32)
+    return part
+
+
+def sum_splits(part, bias, out, split: int):
+    """split-K's second pass: out = round(((part[0] + part[1]) + ...) + bias), nf4.linear's split-sum kernel (bf16
+    rounded with integer ops in Triton's interpreter, whose float32 -> bf16 conversion does not round to nearest even,
+    as nf4.linear does)."""
+    from nf4.linear.common import nf4_split_sum_kernel
+    from nf4.runtime import interpreter_on
+
+    if split <= 1:
+        return
+    mn = out.numel()
+    nf4_split_sum_kernel[(triton_cdiv(mn, 1024),)](part, bias if bias is not None else out, out, mn, out.shape[-1],
+                                                   SPLIT=split, HAS_BIAS=bias is not None, X_DT=2,
+                                                   BF16_BITS=interpreter_on(), BLOCK=1024)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)

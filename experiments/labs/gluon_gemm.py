@@ -38,7 +38,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from nf4.device import LOOKUP_ASM
 
-from .gluon_common import TABLE_BF16_FTZ, _absmax, _store_out, _tma_load, splits, triton_cdiv
+from .gluon_common import (
+    TABLE_BF16_FTZ,
+    _absmax,
+    _store_out,
+    _tma_load,
+    partial_sums,
+    splits,
+    sum_splits,
+    triton_cdiv,
+)
 
 # SHARE: lane q of a quad makes plane q of its rows' tables (entries 4q .. 4q + 3: $2 absmax, $3..$6 their levels),
 # then the quad swaps planes with segmented shuffles (width 4: source lane (lane & ~3) | i)
@@ -258,7 +267,6 @@ CANDIDATES = {
     "g_m64_w4_ld_sh_xr": (64, 4, 6, 0, 1, False, True, True),
     "g_m128_w4_ld_sh_xr": (128, 4, 4, 0, 1, False, True, True),
 }
-_PARTS: dict = {}
 
 
 @triton.jit
@@ -288,8 +296,6 @@ def permute_x(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, permuted: bool = False) -> torch.Tensor:
     """out = x W^T + bias (bf16, blocksize 64, double quantization); x is permuted here unless `permuted`."""
-    from nf4.linear.common import nf4_split_sum_kernel
-
     bm, warps, stages, split, wait, w_tma, share, x_reg = CANDIDATES[cand]
     xp = x if permuted or x_reg else permute_x(x)
     m, k = xp.shape
@@ -304,22 +310,13 @@ def gluon_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torc
         out = torch.empty(m, n, device=xp.device, dtype=xp.dtype)
     tiles = triton_cdiv(n, bn) * triton_cdiv(m, bm)
     split = splits(tiles, k // 64, split)
-    part = out
-    if split > 1:
-        key = (split, m, n, xp.device)
-        part = _PARTS.get(key)
-        if part is None:
-            part = _PARTS[key] = torch.empty(split, m, n, device=xp.device, dtype=torch.float32)
+    part = partial_sums(split, m, n, out)
     grid = (triton_cdiv(n, bn), triton_cdiv(m, bm), split)
     lab_gluon_gemm_kernel[grid](x_desc, xp, w_desc, words, qs.code, qs.absmax, qs.state2.absmax, qs.state2.code,
                                 qs.offset, bias if bias is not None else out, out, part, m, n, k, bm, stages, split,
                                 wait, w_tma, share, x_reg, bias is not None, words_layout(warps), num_warps=warps,
                                 enable_fp_fusion=False)
-    if split > 1:
-        mn = m * n
-        nf4_split_sum_kernel[(triton_cdiv(mn, 1024),)](part, bias if bias is not None else out, out, mn, n,
-                                                       SPLIT=split, HAS_BIAS=bias is not None, X_DT=2,
-                                                       BF16_BITS=False, BLOCK=1024)
+    sum_splits(part, bias, out, split)
     return out
 
 
@@ -388,6 +385,7 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
     import nf4
     from verify import timing
 
+    from . import gluon_common
     from .gemv_lut import identity_rows, make_weights, operand_mismatches
     from .gluon_ws import CANDIDATES as WS
     from .gluon_ws import ws_linear
@@ -449,7 +447,7 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
                 + (f"  ERROR {r['error']}" if "error" in r else ""), flush=True)
     sets.clear()
     wds.clear()
-    _PARTS.clear()
+    gluon_common._PARTS.clear()
     torch.cuda.empty_cache()
     return rows
 

@@ -28,7 +28,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from nf4.device import LOOKUP_ASM
 
-from .gluon_common import TABLE_BF16_FTZ, _absmax, _store_out, _tma_load, splits, triton_cdiv
+from .gluon_common import (
+    TABLE_BF16_FTZ,
+    _absmax,
+    _store_out,
+    _tma_load,
+    partial_sums,
+    splits,
+    sum_splits,
+    triton_cdiv,
+)
 
 NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
@@ -163,7 +172,6 @@ def lab_gluon_ws_kernel(x_desc, w_desc, a_layout: gl.constexpr, absmax_ptr, absm
     ], [1, DEC_WARPS], [24, DEC_REGS])
 
 
-_PARTS: dict = {}
 
 
 def layouts(bm: int, bn: int):
@@ -175,8 +183,6 @@ def layouts(bm: int, bn: int):
 def ws_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.Tensor | None = None,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """out = x W^T + bias (bf16, blocksize 64, double quantization); x in its own column order."""
-    from nf4.linear.common import nf4_split_sum_kernel
-
     bm, bn, stages, split, dec_warps, dec_regs, maxnreg = CANDIDATES[cand]
     m, k = x.shape
     n = qs.shape[0]
@@ -187,21 +193,12 @@ def ws_linear(x: torch.Tensor, packed: torch.Tensor, qs, cand: str, out: torch.T
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     split = splits(triton_cdiv(n, bn) * triton_cdiv(m, bm), k // 64, split)
-    part = out
-    if split > 1:
-        key = (split, m, n, x.device)
-        part = _PARTS.get(key)
-        if part is None:
-            part = _PARTS[key] = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    part = partial_sums(split, m, n, out)
     grid = (triton_cdiv(n, bn), triton_cdiv(m, bm), split)
     lab_gluon_ws_kernel[grid](x_desc, w_desc, al, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset,
                               bias if bias is not None else out, out, part, m, n, k, bm, bn, stages, split, dec_warps,
                               dec_regs, bias is not None, num_warps=bn // 16, enable_fp_fusion=False, maxnreg=maxnreg)
-    if split > 1:
-        mn = m * n
-        nf4_split_sum_kernel[(triton_cdiv(mn, 1024),)](part, bias if bias is not None else out, out, mn, n,
-                                                       SPLIT=split, HAS_BIAS=bias is not None, X_DT=2,
-                                                       BF16_BITS=False, BLOCK=1024)
+    sum_splits(part, bias, out, split)
     return out
 
 

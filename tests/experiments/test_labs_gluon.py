@@ -102,3 +102,20 @@ def test_builds_for_sm90():
     assert rs["local"] == 0 and ws["local"] == 0
     assert rs["wgmma_register_a"] and rs["wgmma_in_flight"] == 1  # the decoded tile is the register operand
     assert rs["loop_shared"]["STS"] == 0 and rs["loop_shared"]["STSM"] == 0  # and never goes through shared memory
+
+
+def test_split_k_second_pass_in_the_interpreter():
+    from experiments.labs import gluon_common as gc
+
+    gen = torch.Generator().manual_seed(11)
+    m, n, split = 3, 70, 3
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    assert gc.partial_sums(1, m, n, out) is out  # one split: the kernels store in out
+    part = gc.partial_sums(split, m, n, out)
+    assert part.shape == (split, m, n) and part.dtype == torch.float32 and gc.partial_sums(split, m, n, out) is part
+    part.copy_(torch.randn(split, m, n, generator=gen))
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    gc.sum_splits(part, bias, out, split)
+    want = ((part[0] + part[1]) + part[2]) + bias.float()  # float32, split order, then the bias, one rounding
+    assert torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    gc._PARTS.clear()
