@@ -237,18 +237,14 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
     import nf4
     from verify import timing
 
-    from .gemv_lut import identity_rows, make_weights, operand_mismatches
+    from .gemv_lut import bound_check, lab_inputs, make_weights, operand_mismatches
 
     dtype = torch.bfloat16
     sets = make_weights(n, k, dtype, copies=timing.rotation_count(n * k // 2))
     wds = [F.dequantize_4bit(p, q).to(dtype) for p, q in sets]
     rows = []
     for m in ms:
-        mi = min(m, k)
-        x, cols, scales = identity_rows(mi, k, dtype, seed=m)
-        if mi < m:
-            x = torch.cat([x, torch.zeros((m - mi, k), dtype=dtype, device="cuda")])
-        xr = torch.randn((m, k), device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)).to(dtype)
+        x, cols, scales, mi, xr = lab_inputs(m, k, dtype)
         base = {"N": n, "K": k, "M": m, "dtype": "bfloat16", "copies": len(sets),
                 "flops_tflops_at_1us": 2 * m * n * k / 1e6}
 
@@ -274,10 +270,7 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
                 torch.cuda.synchronize()
                 row["operand_mismatches"] = operand_mismatches(y[:mi], wds[0], cols, scales)
                 y = lab_gemm(xr, sets[0][0], sets[0][1], cand, out, wds[0])
-                err = (y.float() - ref).abs()
-                bound = (xr.float().abs() @ wds[0].float().abs().t()) * (k * 2.0**-24) + ref.abs() * 2.0**-8
-                row["random_within_bound"] = bool((err <= bound).all())
-                row["random_max_err_over_bound"] = float((err / bound.clamp_min(1e-30)).max())
+                row.update(bound_check(y, xr, wds[0], ref))
                 row["graph_us"] = timed(lambda i, c=cand, o=out, xr=xr: lab_gemm(xr, sets[i % len(sets)][0],
                                                                            sets[i % len(sets)][1], c, o,
                                                                            wds[i % len(wds)]))

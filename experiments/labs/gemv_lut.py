@@ -111,6 +111,26 @@ def identity_rows(m: int, k: int, dtype, seed: int):
     return x.to(dtype).cuda(), cols.cuda(), scales.cuda()
 
 
+def lab_inputs(m: int, k: int, dtype):
+    """The GEMM labs' inputs at M: identity rows (`identity_rows`, zero rows past K when M > K), their columns and
+    scales, how many are identity rows, and seeded random x."""
+    mi = min(m, k)
+    x, cols, scales = identity_rows(mi, k, dtype, seed=m)
+    if mi < m:
+        x = torch.cat([x, torch.zeros((m - mi, k), dtype=dtype, device=x.device)])
+    xr = torch.randn((m, k), device=x.device, generator=torch.Generator(device=x.device).manual_seed(m)).to(dtype)
+    return x, cols, scales, mi, xr
+
+
+def bound_check(y: torch.Tensor, xr: torch.Tensor, wd: torch.Tensor, ref: torch.Tensor) -> dict:
+    """y = xr W^T against `ref` (xr @ W^T in float32): whether every error is within K 2^-24 |xr| |W|^T + 2^-8 |ref|
+    (float32 accumulation, then one bf16 rounding), and the largest error over that bound."""
+    err = (y.float() - ref).abs()
+    bound = (xr.float().abs() @ wd.float().abs().t()) * (xr.shape[1] * 2.0**-24) + ref.abs() * 2.0**-8
+    return {"random_within_bound": bool((err <= bound).all()),
+            "random_max_err_over_bound": float((err / bound.clamp_min(1e-30)).max())}
+
+
 def operand_mismatches(y: torch.Tensor, wd: torch.Tensor, cols, scales) -> int:
     """Outputs that differ (int16 views) from scale * W[:, col] + 0.0, W the dequantized weight in y's dtype."""
     want = (wd.double()[:, cols].t() * scales[:, None] + 0.0).to(y.dtype)

@@ -386,7 +386,7 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
     from verify import timing
 
     from . import gluon_common
-    from .gemv_lut import identity_rows, make_weights, operand_mismatches
+    from .gemv_lut import bound_check, lab_inputs, make_weights, operand_mismatches
     from .gluon_ws import CANDIDATES as WS
     from .gluon_ws import ws_linear
 
@@ -395,11 +395,7 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
     wds = [F.dequantize_4bit(p, q).to(dtype) for p, q in sets]
     rows = []
     for m in ms:
-        mi = min(m, k)
-        x, cols, scales = identity_rows(mi, k, dtype, seed=m)
-        if mi < m:
-            x = torch.cat([x, torch.zeros((m - mi, k), dtype=dtype, device="cuda")])
-        xr = torch.randn((m, k), device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)).to(dtype)
+        x, cols, scales, mi, xr = lab_inputs(m, k, dtype)
         xrp = permute_x(xr)
         base = {"N": n, "K": k, "M": m, "dtype": "bfloat16", "copies": len(sets)}
 
@@ -427,9 +423,7 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
                 row["operand_mismatches"] = operand_mismatches(y[:mi], wds[0], cols, scales)
                 out.fill_(float("nan"))
                 y = call(xr, *sets[0], cand, out)
-                err = (y.float() - ref).abs()
-                bound = (xr.float().abs() @ wds[0].float().abs().t()) * (k * 2.0**-24) + ref.abs() * 2.0**-8
-                row["random_within_bound"] = bool((err <= bound).all())
+                row.update(bound_check(y, xr, wds[0], ref))
                 row["graph_us"] = timed(lambda i, c=cand, o=out, xr=xr, f=call: f(xr, *sets[i % len(sets)], c, o))
                 if cand not in WS and not CANDIDATES[cand][7]:
                     row["kernel_us"] = timed(lambda i, c=cand, o=out, xp=xrp: gluon_linear(xp, *sets[i % len(sets)], c,

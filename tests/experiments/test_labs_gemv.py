@@ -199,3 +199,20 @@ def test_product_pair_kernel_builds_for_sm90(pair_builds):
         assert r["per_weight"]["shared_wavefronts"] == 1.0 and r["opcodes"].get("LDS.64", 0) == r["weights"] // 2
     assert product["opcodes"] == lab["opcodes"] and product["registers"] == lab["registers"]
     assert m16["per_weight"]["tensor"] == 2 * product["per_weight"]["tensor"]  # two 8-row tiles of x per word
+
+
+def test_bound_check_by_hand():
+    import torch
+
+    from experiments.labs.gemv_lut import bound_check
+
+    gen = torch.Generator().manual_seed(3)
+    xr = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    wd = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(xr.float(), wd.float())
+    ok = bound_check(ref.to(torch.bfloat16), xr, wd, ref)  # one bf16 rounding of the float32 product: within
+    assert ok["random_within_bound"] and ok["random_max_err_over_bound"] <= 1.0
+    off = ref.clone()
+    off[1, 2] += 0.25 * ref.abs().max() + 1.0  # far outside: caught, and reported over the bound
+    bad = bound_check(off, xr, wd, ref)
+    assert not bad["random_within_bound"] and bad["random_max_err_over_bound"] > 1.0
