@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -379,7 +380,9 @@ def fits(cand: str, m: int) -> bool:
     return bm == 16 if m <= 16 else bm == 32 if m <= 32 else bm == 64 if m <= 64 else bm >= 128
 
 
-def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
+def run_weight(n: int, k: int, ms, candidates, log=print, race: bool = False) -> list[dict]:
+    """Each M: cuBLAS dense, nf4.linear and every fitting candidate, operand-checked then timed. race: no x
+    permutation row and no kernel-alone time (the catalog race, where only the user's call counts)."""
     import bitsandbytes.functional as F
 
     import nf4
@@ -407,7 +410,8 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
                      "graph_us": timed(lambda i, xr=xr: torch.nn.functional.linear(xr, wds[i % len(wds)]))})
         rows.append({**base, "provider": "nf4.linear",
                      "graph_us": timed(lambda i, xr=xr: nf4.linear(xr, *sets[i % len(sets)]))})
-        rows.append({**base, "provider": "permute_x", "graph_us": timed(lambda i, xr=xr: permute_x(xr))})
+        if not race:
+            rows.append({**base, "provider": "permute_x", "graph_us": timed(lambda i, xr=xr: permute_x(xr))})
         ref = torch.nn.functional.linear(xr.float(), wds[0].float())
         for cand in [c for c in candidates if fits(c, m)]:
             row = {**base, "provider": cand, "config": CANDIDATES.get(cand) or WS[cand]}
@@ -425,13 +429,13 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
                 y = call(xr, *sets[0], cand, out)
                 row.update(bound_check(y, xr, wds[0], ref))
                 row["graph_us"] = timed(lambda i, c=cand, o=out, xr=xr, f=call: f(xr, *sets[i % len(sets)], c, o))
-                if cand not in WS and not CANDIDATES[cand][7]:
+                if not race and cand not in WS and not CANDIDATES[cand][7]:
                     row["kernel_us"] = timed(lambda i, c=cand, o=out, xp=xrp: gluon_linear(xp, *sets[i % len(sets)], c,
                                                                                          o, permuted=True))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:800]
             rows.append(row)
-        ran = 3 + len([c for c in candidates if fits(c, m)])
+        ran = (2 if race else 3) + len([c for c in candidates if fits(c, m)])
         dense = rows[-ran].get("graph_us")
         for r in rows[-ran:]:
             us = r.get("graph_us")
@@ -444,6 +448,23 @@ def run_weight(n: int, k: int, ms, candidates, log=print) -> list[dict]:
     gluon_common._PARTS.clear()
     torch.cuda.empty_cache()
     return rows
+
+
+def shape_list(shapes, part: str = "0/1") -> list[tuple[int, int]]:
+    """(N, K) pairs from 'NxK' strings; 'catalog' stands for the shape catalog's shapes, every n-th from the i-th
+    (part 'i/n')."""
+    i, n_parts = (int(v) for v in part.split("/"))
+    if not 0 <= i < n_parts:
+        raise ValueError(f"--part must be i/n with 0 <= i < n, got {part!r}")
+    out = []
+    for shape in shapes:
+        if shape == "catalog":
+            from experiments import catalog
+
+            out += [(s.n, s.k) for s in catalog.catalog()[i::n_parts]]
+        else:
+            out.append(tuple(int(v) for v in shape.lower().split("x")))
+    return out
 
 
 def report(paths) -> str:
@@ -476,7 +497,12 @@ def report(paths) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.labs.gluon_gemm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "14336x4096", "4096x14336"])
+    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "14336x4096", "4096x14336"],
+                    help="NxK ..., or 'catalog' for the shape catalog (with --part)")
+    ap.add_argument("--part", default="0/1", help="i/n: the i-th of n interleaved parts of the catalog")
+    ap.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--race", action="store_true",
+                    help="the user's call only: no x-permutation row, no kernel-alone time, no build facts")
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 16, 32, 64, 128, 512, 2048])
     from .gluon_ws import CANDIDATES as WS
 
@@ -522,19 +548,25 @@ def main(argv=None) -> int:
 
     print(f"{torch.cuda.get_device_name()}", flush=True)
     rows = []
-    for shape in args.shapes:
-        n, k = (int(v) for v in shape.lower().split("x"))
-        rows += run_weight(n, k, args.ms, args.candidates)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
+            "environment": timing.environment(), "candidates": CANDIDATES, "part": args.part}
+    t0 = time.monotonic()
+    for n, k in shape_list(args.shapes, args.part):
+        if args.budget_s and time.monotonic() - t0 > args.budget_s:
+            head["stopped"] = f"--budget-s {args.budget_s} spent before {n}x{k}"
+            print(head["stopped"], flush=True)
+            break
+        rows += run_weight(n, k, args.ms, args.candidates, race=args.race)
+        out.write_text(json.dumps({**head, "rows": rows}, indent=1, default=str))  # a cut run keeps its rows
     facts = []
-    for c in [c for c in args.candidates if c in CANDIDATES]:
+    for c in [c for c in args.candidates if c in CANDIDATES and not args.race]:
         try:
             facts.append(build_facts(c))
         except Exception as exc:
             facts.append({"candidate": c, "error": f"{type(exc).__name__}: {exc}"[:400]})
-    result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
-              "environment": timing.environment(), "candidates": CANDIDATES, "build_facts": facts, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    out.write_text(json.dumps({**head, "build_facts": facts, "rows": rows}, indent=1, default=str))
     print(f"wrote {args.out}")
     return 0
 
