@@ -450,6 +450,56 @@ def run_weight(n: int, k: int, ms, candidates, log=print, race: bool = False) ->
     return rows
 
 
+def run_product(n: int, k: int, ms, dtype, log=print) -> list[dict]:
+    """Each M, in the user's call: cuBLAS dense; nf4.linear as this commit's table routes it (the Gluon GEMM where
+    tuned.gluon_rule takes the shape), operand-checked and within the float32 bound; nf4.linear with the table's
+    choice without the Gluon rule (`tuned(..., gluon=False)`, passed as its config)."""
+    import bitsandbytes.functional as F
+
+    import nf4
+    from nf4.linear.tuned import NAMES, tuned
+    from verify import timing
+
+    from .gemv_lut import bound_check, lab_inputs, make_weights, operand_mismatches
+
+    gpu = torch.cuda.get_device_name()
+    sets = make_weights(n, k, dtype, copies=timing.rotation_count(n * k // 2))
+    wds = [F.dequantize_4bit(p, q).to(dtype) for p, q in sets]
+    rows = []
+    for m in ms:
+        x, cols, scales, mi, xr = lab_inputs(m, k, dtype)
+        base = {"N": n, "K": k, "M": m, "dtype": str(dtype).removeprefix("torch."), "copies": len(sets)}
+        routed, table = tuned(gpu, m, n=n, k=k), tuned(gpu, m, n=n, k=k, gluon=False)
+
+        def timed(fn):
+            g = timing.graph_time_us(fn, list(range(len(sets))))
+            return g and g.get("median_us")
+
+        out = [{**base, "provider": "cublas_dense",
+                "graph_us": timed(lambda i, xr=xr: torch.nn.functional.linear(xr, wds[i % len(wds)]))}]
+        row = {**base, "provider": "nf4.linear", "config": NAMES.get(routed, repr(routed))}
+        try:
+            row["operand_mismatches"] = operand_mismatches(nf4.linear(x, *sets[0])[:mi], wds[0], cols, scales)
+            ref = torch.nn.functional.linear(xr.float(), wds[0].float())
+            row.update(bound_check(nf4.linear(xr, *sets[0]), xr, wds[0], ref))
+            row["graph_us"] = timed(lambda i, xr=xr: nf4.linear(xr, *sets[i % len(sets)]))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:800]
+        out.append(row)
+        out.append({**base, "provider": "nf4.linear_table", "config": NAMES.get(table, repr(table)),
+                    "graph_us": timed(lambda i, xr=xr, c=table: nf4.linear(xr, *sets[i % len(sets)], config=c))})
+        us = {r["provider"]: r.get("graph_us") or float("nan") for r in out}
+        log(f"  {n}x{k} M={m:<4} {base['dtype']:<8} dense {us['cublas_dense']:8.1f}  nf4 {us['nf4.linear']:8.1f} "
+            f"({row['config']})  table {us['nf4.linear_table']:8.1f} ({out[-1]['config']})  mismatches "
+            f"{row.get('operand_mismatches')}  bound {row.get('random_within_bound')}"
+            + (f"  ERROR {row['error']}" if "error" in row else ""), flush=True)
+        rows += out
+    sets.clear()
+    wds.clear()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def shape_list(shapes, part: str = "0/1") -> list[tuple[int, int]]:
     """(N, K) pairs from 'NxK' strings; 'catalog' stands for the shape catalog's shapes, every n-th from the i-th
     (part 'i/n')."""
@@ -501,6 +551,9 @@ def main(argv=None) -> int:
                     help="NxK ..., or 'catalog' for the shape catalog (with --part)")
     ap.add_argument("--part", default="0/1", help="i/n: the i-th of n interleaved parts of the catalog")
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--product", action="store_true",
+                    help="nf4.linear as routed (the Gluon rule) against the table without it, in the user's call")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
     ap.add_argument("--race", action="store_true",
                     help="the user's call only: no x-permutation row, no kernel-alone time, no build facts")
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 16, 32, 64, 128, 512, 2048])
@@ -558,10 +611,14 @@ def main(argv=None) -> int:
             head["stopped"] = f"--budget-s {args.budget_s} spent before {n}x{k}"
             print(head["stopped"], flush=True)
             break
-        rows += run_weight(n, k, args.ms, args.candidates, race=args.race)
+        if args.product:
+            for dt in args.dtypes:
+                rows += run_product(n, k, args.ms, getattr(torch, dt))
+        else:
+            rows += run_weight(n, k, args.ms, args.candidates, race=args.race)
         out.write_text(json.dumps({**head, "rows": rows}, indent=1, default=str))  # a cut run keeps its rows
     facts = []
-    for c in [c for c in args.candidates if c in CANDIDATES and not args.race]:
+    for c in [c for c in args.candidates if c in CANDIDATES and not (args.race or args.product)]:
         try:
             facts.append(build_facts(c))
         except Exception as exc:

@@ -25,7 +25,7 @@ from .. import runtime
 from ..dequant import dequantize
 from ..weight import NF4Weight, RepeatCache, StateCheck, module_parts, plain, unpack
 from .config import LinearConfig
-from .launch import dense_product, fused, kernel_args, launch_config, split_k
+from .launch import dense_product, direct, fused, kernel_args, launch_config, run_direct, split_k
 from .tuned import tuned
 
 X_DTYPES = (torch.float16, torch.bfloat16)
@@ -141,6 +141,8 @@ def run(x, packed, qs, entry: _Entry, bias, *, trans: bool = False, config: Line
         return _dequant_run(x2, packed, qs, bias, trans, ftz).reshape(*lead, n_out)
     split, _ = split_k(config, w, m, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
+    if direct(config):  # a kernel that launches itself: no bound launch, the full path every call
+        return run_direct(x2, w, bias, out, m, config, ftz, part).reshape(*lead, n_out)
     launches = kernel_args(x2, w, bias, out, m, config, ftz, runtime.interpreting(x.device), part)
     compiled = [runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
                 for fn, grid, args, options in launches]

@@ -8,6 +8,8 @@ but "dequant" to its kernel file, and a test checks that the two agree):
 - "gemm_word": nf4_gemm_word_kernel (the prmt decode feeding tl.dot; M = 17-256);
 - "gemv_pair": nf4_gemv_pair_kernel (the tensor-core GEMV decoding through a shared table of level pairs; M <= 16;
   in no tuned row);
+- "gemm_gluon": nf4_gemm_gluon_kernel (Gluon: the decode writes wgmma's register operand, x permuted to match;
+  sm_90, blocksize 64; M = 65-512 on large weights);
 - "dequant": `nf4.dequantize` into a scratch weight, then cuBLAS (every backward takes it).
 The tuned choice per GPU and M is data (`tuned.json`, read by nf4.linear.tuned).
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from ..runtime import check_fields
 
-KERNELS = ("gemv", "gemv_table", "gemv_mma", "gemm_word", "gemv_pair", "dequant")
+KERNELS = ("gemv", "gemv_table", "gemv_mma", "gemm_word", "gemv_pair", "gemm_gluon", "dequant")
 EVICTIONS = ("", "evict_first", "evict_last", "evict_normal")  # Triton's eviction policies
 
 

@@ -10,7 +10,9 @@ only it needs to launch:
   `step(config, w)` for the GEMVs whose split is in whole steps (GEMV_KERNELS);
 - where it reads the 256 level pairs, `level_pairs(config) -> bool` (else the 16 levels);
 - where a simpler kernel of the same shape takes over when it cannot run, `SIMPLER` (its name; else the dequant
-  path).
+  path);
+- a kernel that launches itself (a Gluon kernel, whose arguments include TMA descriptors) has `run(call)` in
+  place of `launches`: `direct(config)` says so, and `run_direct` runs it (eager, or inside the opaque op).
 Adding a kernel is one file in this folder plus one entry in `KERNELS` (and its name in LinearConfig's).
 `launch_config` turns a tuned or given config into one that can run on this call's tensors (its tuned fallback
 otherwise; the backward always takes the dequant path); `kernel_args` builds its launches, shared by the eager
@@ -23,7 +25,7 @@ import torch
 
 from .. import runtime
 from ..weight import NF4Weight
-from . import gemm_word, gemv, gemv_mma, gemv_pair, gemv_table
+from . import gemm_gluon, gemm_word, gemv, gemv_mma, gemv_pair, gemv_table
 from .call import DT, SUM_BLOCK, Call, auto_split, gpu_sms  # noqa: F401 (DT, SUM_BLOCK, auto_split: re-exported)
 from .config import LinearConfig
 from .gemv_table import TABLE_MAX_M  # noqa: F401 (re-exported)
@@ -35,6 +37,7 @@ KERNELS = {
     "gemv_mma": gemv_mma,
     "gemm_word": gemm_word,
     "gemv_pair": gemv_pair,
+    "gemm_gluon": gemm_gluon,
 }
 GEMV_KERNELS = tuple(name for name, kernel in KERNELS.items() if hasattr(kernel, "step"))  # split in whole steps
 
@@ -82,7 +85,7 @@ def launch_config(config: LinearConfig, w: NF4Weight, x: torch.Tensor, m: int, t
         return DEQUANT
     while not runnable(config, w, x, m):
         simpler = getattr(KERNELS[config.kernel], "SIMPLER", None)
-        config = fallback(config, m) or (
+        config = fallback(config, m, *w.shape, runtime.device_name(x.device)) or (
             config.with_(kernel=simpler, codebook=0, warps_k=1) if simpler is not None else DEQUANT)
     return config
 
@@ -117,6 +120,22 @@ def kernel_args(x, w: NF4Weight, bias, out, m: int, config: LinearConfig, ftz: b
     args = base_args(x, w, bias, out, m, config, ftz, interpreting, code, dummy)
     return KERNELS[config.kernel].launches(Call(x, w, bias, out, m, config, ftz, interpreting, part, code, dummy,
                                                 args, gpu_sms(x.device)))
+
+
+def direct(config: LinearConfig) -> bool:
+    """Whether the config's kernel launches itself (`run(call)`) rather than handing back launches."""
+    return hasattr(KERNELS.get(config.kernel), "run")
+
+
+def run_direct(x, w: NF4Weight, bias, out, m: int, config: LinearConfig, ftz: bool, part=None) -> torch.Tensor:
+    """One fused forward product by a kernel that launches itself (`direct`), with a runnable config, into out."""
+    device = w.packed.device
+    code = runtime.level_table(device, pairs=level_pairs(config))
+    dummy = runtime.stand_in(device)
+    args = base_args(x, w, bias, out, m, config, ftz, False, code, dummy)
+    KERNELS[config.kernel].run(Call(x, w, bias, out, m, config, ftz, False, part, code, dummy, args,
+                                    gpu_sms(x.device)))
+    return out
 
 
 def dense_product(x, wt, bias, trans: bool) -> torch.Tensor:

@@ -19,7 +19,7 @@ from .. import runtime
 from ..dequant.launch import launch as dequant_launch
 from ..traced import traced_tables
 from ..weight import NF4Weight
-from .launch import dense_product, kernel_args, launch_config, level_pairs, split_k
+from .launch import dense_product, direct, kernel_args, launch_config, level_pairs, run_direct, split_k
 from .tuned import tuned
 
 
@@ -90,7 +90,7 @@ def _linear_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, 
                    blocksize: int, w_dtype: torch.dtype, ftz: bool) -> torch.Tensor:
     """The forward's fused launches as eager runs them (nf4.runtime), as one opaque op: what the triton_op takes in
     Triton's interpreter, where `wrap_triton` cannot trace (the kernels are InterpretedFunctions, which would run on
-    torch.compile's FakeTensors)."""
+    torch.compile's FakeTensors), and for a kernel that launches itself (`direct`: the Gluon GEMM)."""
     w = _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype)
     m = x.shape[0]
     config = launch_config(tuned(runtime.device_name(x.device), m, False, n=n, k=k), w, x, m, False)
@@ -100,6 +100,8 @@ def _linear_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split, _ = split_k(config, w, m, x.device)
     part = torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else None
+    if direct(config):
+        return run_direct(x, w, bias, out, m, config, ftz, part)
     for fn, grid, args, options in kernel_args(x, w, bias, out, m, config, ftz, runtime.interpreting(x.device), part):
         runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
     return out
@@ -130,7 +132,9 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2
         # gradients against eager
         return torch.ops.nf4.dequantize_matmul_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k,
                                                       blocksize, w_dtype, ftz, trans)
-    if runtime.interpreter_on():  # (a fused kernel is forward only: the backward takes the dequant path above)
+    # (a fused kernel is forward only: the backward takes the dequant path above); a kernel that launches itself
+    # (TMA descriptors, which wrap_triton does not take) runs in the opaque op too
+    if runtime.interpreter_on() or direct(config):
         return torch.ops.nf4.linear_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype,
                                            ftz)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)

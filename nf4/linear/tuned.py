@@ -43,8 +43,10 @@ def _rows(rows) -> Rows:
 TUNED: dict[str, dict[str, Rows]] = {
     gpu: {d: _rows(r) for d, r in table.items()} for gpu, table in DATA["rows"].items()}
 INTERPRETER: dict[str, Rows] = {d: _rows(r) for d, r in DATA["interpreter"].items()}
-FALLBACK: dict[LinearConfig, LinearConfig | Rows] = {
-    CONFIGS[name]: CONFIGS[v] if isinstance(v, str) else _rows(v) for name, v in DATA["fallback"].items()}
+TABLE = "table"  # a fallback: the table's choice for the shape without the Gluon rule (for_shape(gluon=False))
+FALLBACK: dict[LinearConfig, LinearConfig | Rows | str] = {
+    CONFIGS[name]: v if v == TABLE else CONFIGS[v] if isinstance(v, str) else _rows(v)
+    for name, v in DATA["fallback"].items()}
 
 
 def pick(rows: Rows, m: int) -> LinearConfig:
@@ -55,9 +57,12 @@ def pick(rows: Rows, m: int) -> LinearConfig:
     return rows[-1][1]
 
 
-def fallback(config: LinearConfig, m: int) -> LinearConfig | None:
-    """The tuned fallback of `config` at M rows of x (FALLBACK), or None where it has none."""
+def fallback(config: LinearConfig, m: int, n: int = 0, k: int = 0, gpu: str = "") -> LinearConfig | None:
+    """The tuned fallback of `config` at M rows of x of a weight of n x k on the named GPU (FALLBACK), or None where it
+    has none."""
     entry = FALLBACK.get(config)
+    if entry == TABLE:
+        return tuned(gpu, m, n=n, k=k, gluon=False)
     return pick(entry, m) if isinstance(entry, tuple) else entry
 
 
@@ -81,6 +86,26 @@ ROW_ALIGN = 256  # bytes: rows whose packed length is not a multiple take GEMV_M
 MANY_ROWS = 2304  # weights of at least this many rows (16-row programs: 144 or more) take GEMV_MMA_WK4 at M <= 4
 LONG_ROW = 11008  # ... unless their rows are longer than this
 TALL = 16384  # M = 9-16: weights of at least this many rows take GEMV_MMA_WK16 (one launch) over GEMV_MMA16
+
+
+# GPUs whose rows M = 65-512 take the Gluon GEMM (kernel "gemm_gluon") on large weights: raced against nf4.linear over
+# the shape catalog at M = 64, 128, 256, 512 (`python -m experiments.labs.gluon_gemm --race --shapes catalog`,
+# results/labs/gluon_race_<gpu>.json) and fit on the fit subset; `python -m experiments.labs.gluon_gemm --report-race`
+# gives the rules' time over the table's before them on both subsets
+GLUON_RULE_GPUS = ("H100", "H200")
+GLUON_RULES = ((128, 8 << 20, 0.0, "GLUON_GEMM128"), (256, 16 << 20, 1.0, "GLUON_GEMM256"),
+               (512, 24 << 20, 0.75, "GLUON_GEMM256"))  # (largest M, least N * K, least N / K, config)
+
+
+def gluon_rule(m: int, n: int, k: int, gpu: str) -> LinearConfig | None:
+    """The Gluon GEMM's config for M rows of x and a weight of n x k on the named GPU, or None (GLUON_RULES: the first
+    row whose largest M takes m, from M = 65)."""
+    if m <= 64 or not any(g in gpu for g in GLUON_RULE_GPUS):
+        return None
+    for limit, least, ratio, name in GLUON_RULES:
+        if m <= limit:
+            return CONFIGS[name] if n * k >= least and n >= ratio * k else None
+    return None
 
 
 def for_shape(config: LinearConfig, m: int, n: int, k: int, gpu: str = "") -> LinearConfig:
@@ -130,14 +155,15 @@ def for_shape(config: LinearConfig, m: int, n: int, k: int, gpu: str = "") -> Li
 
 
 def tuned(device_name: str, m: int, backward: bool = False, *, n: int | None = None,
-          k: int | None = None) -> LinearConfig:
+          k: int | None = None, gluon: bool = True) -> LinearConfig:
     """The tuned config for M rows of x on the named GPU ("" for the interpreter); given the weight's n x k, as
-    `for_shape` adjusts it for that weight."""
+    `for_shape` adjusts it for that weight, or (gluon) the Gluon GEMM where `gluon_rule` takes the shape."""
     direction = "backward" if backward else "forward"
     if not device_name:
         return pick(INTERPRETER[direction], m)
     table = next((t for gpu, t in TUNED.items() if gpu in device_name), TUNED[DEFAULT_GPU])
     config = pick(table[direction], m)
     if not backward and n is not None and k is not None:
-        config = for_shape(config, m, n, k, device_name)
+        rule = gluon_rule(m, n, k, device_name) if gluon else None
+        config = rule or for_shape(config, m, n, k, device_name)
     return config

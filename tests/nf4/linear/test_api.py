@@ -467,7 +467,7 @@ def test_tuned_rows_for_a_weights_shape():
     M <= 4, and weights of 16384 rows or more GEMV_MMA_WK16 at M = 9-16; on other GPUs the single-launch rows
     become GEMV_MMA_WK4 at M <= 4 where K / 2 is under two 128-byte steps of each of GEMV_MMA_WK's 8 warps (2048
     bytes); every other row and M, the backward, a call without the shape and the interpreter's rows are as
-    before."""
+    before. (The Gluon GEMM's rule, which comes before these on the H100 and the H200: test_gluon_rule.)"""
     from nf4.linear.tuned import (
         DEQUANT,
         GEMV_MMA16,
@@ -490,8 +490,8 @@ def test_tuned_rows_for_a_weights_shape():
 
     h100 = "NVIDIA H100 80GB HBM3"
 
-    def at(m, n, k, name=h100, backward=False):
-        return tuned(name, m, backward, n=n, k=k)
+    def at(m, n, k, name=h100, backward=False):  # the rules below, without the Gluon GEMM's (its own test)
+        return tuned(name, m, backward, n=n, k=k, gluon=False)
 
     h200 = "NVIDIA H200"
     for m in (1, 2, 3, 4, 5, 8):
@@ -655,3 +655,33 @@ def test_opaque_dequantize_binds_per_launch_facts_and_rebinds_every_pointer(nf4h
     call(packed, ftz=True)
     call(packed, dtype=torch.float16)
     assert len(full) == 4 and len(bound_calls) == 1 and len(ops._PLANS) == 4
+
+
+def test_gluon_rule():
+    """tuned.gluon_rule on the H100 and the H200: M = 65-128 on weights of 8Mi weights or more take GLUON_GEMM128;
+    M = 129-256 on weights of 16Mi or more with N >= K, and M = 257-512 on weights of 24Mi or more with N >= 0.75 K,
+    GLUON_GEMM256; nothing at M <= 64 or above 512, on other GPUs, or in the backward; with gluon=False, and where
+    the kernel cannot run (tuned.fallback's "table"), the table's choice for the shape without the rule."""
+    from nf4.linear.tuned import CONFIGS, fallback, for_shape, gluon_rule, pick, tuned
+
+    g128, g256 = CONFIGS["GLUON_GEMM128"], CONFIGS["GLUON_GEMM256"]
+    assert g128.kernel == g256.kernel == "gemm_gluon" and (g128.block_m, g256.block_m) == (128, 256)
+    for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        for m in (65, 100, 128):
+            assert gluon_rule(m, 2048, 4096, gpu) is g128 and gluon_rule(m, 2047, 4096, gpu) is None, m
+            assert gluon_rule(m, 1024, 8192, gpu) is g128, m  # N < K: no ratio at M <= 128
+        for m in (129, 256):
+            assert gluon_rule(m, 4096, 4096, gpu) is g256 and gluon_rule(m, 4095, 4096, gpu) is None, m
+            assert gluon_rule(m, 4096, 14336, gpu) is None and gluon_rule(m, 14336, 4096, gpu) is g256, m
+        for m in (257, 512):
+            assert gluon_rule(m, 6144, 4096, gpu) is g256 and gluon_rule(m, 4096, 4096, gpu) is None, m
+            assert gluon_rule(m, 6144, 8192, gpu) is g256 and gluon_rule(m, 6143, 8192, gpu) is None, m
+        for m in (1, 16, 64, 513, 4096):
+            assert gluon_rule(m, 59136, 8192, gpu) is None, m
+        assert tuned(gpu, 128, n=14336, k=4096) is g128 and tuned(gpu, 128, True, n=14336, k=4096).kernel == "dequant"
+        assert tuned(gpu, 128) is not g128  # no shape: the row
+        for m, n, k in ((100, 14336, 4096), (200, 4096, 4096), (400, 14336, 4096)):
+            without = tuned(gpu, m, n=n, k=k, gluon=False)
+            assert without.kernel != "gemm_gluon" and fallback(tuned(gpu, m, n=n, k=k), m, n, k, gpu) is without
+            assert without is for_shape(pick(tuned.__globals__["TUNED"]["H100"]["forward"], m), m, n, k, gpu)
+    assert gluon_rule(128, 14336, 4096, "NVIDIA A100-SXM4-80GB") is None and gluon_rule(128, 14336, 4096, "") is None

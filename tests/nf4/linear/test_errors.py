@@ -108,7 +108,8 @@ def test_bad_input_with_grad(nf4h, case):
 
 BAD_CONFIG = [
     ("kernel", {"kernel": "cublas"},
-     r"LinearConfig\.kernel must be one of \('gemv', 'gemv_table', 'gemv_mma', 'gemm_word', 'gemv_pair', 'dequant'\), "
+     r"LinearConfig\.kernel must be one of \('gemv', 'gemv_table', 'gemv_mma', 'gemm_word', 'gemv_pair', "
+     r"'gemm_gluon', 'dequant'\), "
      r"got 'cublas'"),
     ("kernel-old-path", {"kernel": "word"}, r"LinearConfig\.kernel must be one of .*got 'word'"),
     # nf4_gemm_kernel left the product for experiments/variants/linear/_gemm_kernel.py

@@ -75,6 +75,12 @@ if torch.cuda.is_available():
         "word-gemm-M128-w8": (128, LinearConfig(kernel="gemm_word", block_m=128, block_n=128, block_k=64,
                                                 num_warps=8, swap=True, num_stages=3, split_k=1, programs_per_sm=2)),
         "dequant": (8, LinearConfig(kernel="dequant")),
+        # the Gluon GEMM (sm_90; elsewhere, and at blocksize 128, the table's choice without its rule runs): a tile of
+        # 128 rows of x with split-K auto and 3, and of 256 rows (GLUON_GEMM256) over two tiles along M
+        "gluon-M100": (100, LinearConfig(kernel="gemm_gluon", block_m=128, num_warps=4, num_stages=4, split_k=0,
+                                         programs_per_sm=2)),
+        "gluon-M77-s3": (77, LinearConfig(kernel="gemm_gluon", block_m=128, num_warps=4, num_stages=4, split_k=3)),
+        "gluon-M300": (300, LinearConfig(kernel="gemm_gluon", block_m=256, num_warps=4, num_stages=3, split_k=1)),
     }
     # the backward is nf4.dequantize + cuBLAS whatever the config (nf4.linear.launch.launch_config): the table's rows
     BACKWARD = {"tuned-M1": (1, None), "tuned-M16": (16, None), "tuned-M300": (300, None)}
@@ -224,6 +230,58 @@ def test_gemv_pair_falls_back_where_it_cannot_run(nf4h):
         if m == 8:  # 16-byte aligned rows, but x starts 4 bytes in
             x = torch.zeros(m * shape[1] + 2, dtype=dtype, device=CUDA)[2:].view(m, shape[1])
         assert linear_launch.launch_config(config, w, x, m, False).kernel == want, (shape, m, dtype)
+
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gluon_gemm_is_what_runs(nf4h, lin, dtype):
+    """On an H100 or H200 the table picks the Gluon GEMM at M = 65-512 on large weights (tuned.gluon_rule), and it
+    is what runs: its kernel launches (the profiler's CUDA kernels), its result is the operand's
+    bits on identity rows, with a bias scale * w + bias rounded once; x, the packed bytes and the state unchanged.
+    Where it cannot run (blocksize 128, x 4 bytes off 16-byte alignment, x of another dtype than W) the table's
+    choice without the rule runs instead."""
+    from nf4.linear import gemm_gluon
+    from nf4.linear import launch as linear_launch
+
+    if not _hopper() or not gemm_gluon.AVAILABLE:
+        pytest.skip("the Gluon GEMM runs on sm_90 with Triton's Gluon API")
+    name = torch.cuda.get_device_name()
+    shape = (2304, 4096)  # 9.4M weights: the rule's at M = 65-128 (>= 8Mi), not at M = 129-256 (rows < K)
+    seed = nf4h.case_seed("gpu-gluon", dtype)
+    packed, qs = nf4h.quantize(shape, dtype, 64, True, seed=seed, device=CUDA)
+    n, k = shape
+    assert tuned(name, 96, n=n, k=k).kernel == "gemm_gluon"
+    assert tuned(name, 200, n=n, k=k).kernel != "gemm_gluon"
+    assert tuned(name, 64, n=n, k=k).kernel != "gemm_gluon" and tuned(name, 600, n=n, k=k).kernel != "gemm_gluon"
+    wd = lin.operand(packed, qs, dtype)
+    perm = lin.permutation(k, seed)[:96]
+    x, scales = lin.identity_rows(perm, dtype, k, seed + 1, device=CUDA)
+    bias = lin.randn((n,), dtype, seed + 2, device=CUDA)
+    before = [t.clone() for t in (x, packed, qs.absmax, bias)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = nf4.linear(x, packed, qs)
+        got_bias = nf4.linear(x, packed, qs, bias=bias)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("nf4_gemm_gluon_kernel" in s for s in names) == 2, names
+    assert sum("nf4_permute_x_kernel" in s for s in names) == 2, names
+    assert_bitexact(got, lin.picked(wd.t(), perm, scales, dtype), name="gluon tuned M=96")
+    want = (lin.picked(wd.t(), perm, scales, torch.float32) + bias.float()).to(dtype)
+    assert_bitexact(got_bias, want, name="gluon bias")
+    for t, b in zip((x, packed, qs.absmax, bias), before, strict=True):
+        assert torch.equal(t, b)
+    w = NF4Weight.from_state(packed, qs)
+    config = tuned(name, 96, n=n, k=k)
+    shifted = torch.zeros(96 * k + 2, dtype=dtype, device=CUDA)[2:].view(96, k)
+    other = x.to(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16)
+    for xx in (shifted, other):
+        assert linear_launch.launch_config(config, w, xx, 96, False) == tuned(name, 96, n=n, k=k, gluon=False)
+    packed128, qs128 = nf4h.quantize(shape, dtype, 128, True, seed=seed, device=CUDA)
+    w128 = NF4Weight.from_state(packed128, qs128)
+    assert linear_launch.launch_config(config, w128, x, 96, False).kernel != "gemm_gluon"
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["wfp16", "wbf16", "wfp32"])
@@ -393,3 +451,47 @@ def test_cuda_graph_capture(nf4h, lin, dtype, m):
         graph.replay()
         torch.cuda.synchronize()
         assert_bitexact(static_y, nf4.linear(x, packed, qs, bias=bias), name=f"graph replay, input {seed}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gluon_gemm_compiled_and_graphed(nf4h, lin, dtype):
+    """The Gluon GEMM (the table's at M = 96 on 2304 x 4096, sm_90) under torch.compile(fullgraph=True), where it
+    runs inside the opaque op, and captured in a CUDA graph: the same bits as eager calls, no graph break."""
+    from torch._dynamo.utils import counters
+
+    from nf4.linear import gemm_gluon
+
+    if not _hopper() or not gemm_gluon.AVAILABLE:
+        pytest.skip("the Gluon GEMM runs on sm_90 with Triton's Gluon API")
+    n, k, m = 2304, 4096, 96
+    assert tuned(torch.cuda.get_device_name(), m, n=n, k=k).kernel == "gemm_gluon"
+    packed, qs = nf4h.quantize((n, k), dtype, 64, True, seed=nf4h.case_seed("gpu-gluon-compile", dtype), device=CUDA)
+    bias = lin.randn((n,), dtype, 1, device=CUDA)
+
+    def fn(x):
+        return nf4.linear(x, packed, qs, bias=bias)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    for seed in (2, 3):
+        x = lin.randn((m, k), dtype, seed, device=CUDA)
+        assert_bitexact(compiled(x), fn(x), name="gluon compiled vs eager")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+    static_x = lin.randn((m, k), dtype, 8, device=CUDA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fn(static_x)
+    for seed in (9, 10):
+        x = lin.randn((m, k), dtype, seed, device=CUDA)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitexact(static_y, fn(x), name=f"gluon graph replay, input {seed}")

@@ -1,0 +1,77 @@
+"""nf4.linear's Gluon GEMM (kernel "gemm_gluon") off the GPU: x's permutation in the interpreter against the NumPy
+fragment model, the split-K arithmetic on a GPU of 132 multiprocessors, and where it may run. The kernel itself runs
+on an sm_90 GPU only (tests/nf4/linear/test_gpu.py); experiments/labs' tests replay its column bookkeeping."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from experiments.labs import fragment
+from nf4.linear import LinearConfig
+from nf4.linear import launch as linear_launch
+from nf4.linear.tuned import CONFIGS
+from nf4.weight import NF4Weight
+
+gg = importlib.import_module("nf4.linear.gemm_gluon")
+
+
+def _weight(n: int, k: int, blocksize: int = 64, dtype=torch.bfloat16, device="cpu") -> NF4Weight:
+    blocks = n * k // blocksize
+    return NF4Weight(torch.zeros(n * k // 2, 1, dtype=torch.uint8, device=device),
+                     torch.zeros(blocks, dtype=torch.uint8, device=device),
+                     torch.zeros(-(-blocks // 256), device=device), torch.zeros(256, device=device),
+                     torch.zeros((), device=device), (n, k), blocksize, dtype, True)
+
+
+@pytest.mark.parametrize("m, k", [(1, 64), (5, 128), (9, 1088), (3, 4096)])
+def test_permute_x_is_the_fragment_model(m, k):
+    """Every column of x lands where fragment.fragment_order puts it (poisoned output: every element written)."""
+    gen = torch.Generator().manual_seed(m * 7919 + k)
+    x = torch.randn((m, k), generator=gen).to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    got = gg.permute_x(x, out)
+    want = torch.from_numpy(fragment.fragment_order(x.float().numpy())).to(torch.bfloat16)
+    assert got is out
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got, x) or k < 64  # a permutation, not the identity
+
+
+def test_split_on_a_gpu():
+    """Auto: nearest programs_per_sm x 132 programs, at least 8 steps each, at most 16; every split non-empty and
+    an even number of steps (two an iteration); split_k fixed as given."""
+    g128, g256 = CONFIGS["GLUON_GEMM128"], CONFIGS["GLUON_GEMM256"]
+    for (n, k, m), want in {(4096, 4096, 128): 4, (14336, 4096, 128): 1, (4096, 14336, 96): 4,
+                            (2048, 4096, 100): 8, (1024, 1024, 65): 2}.items():
+        parts, seg = gg.split(g128, _weight(n, k), m, 132)
+        assert parts == want, (n, k, m, parts)
+        steps = seg // 32
+        assert steps % 2 == 0 and (parts - 1) * steps < k // 64 <= parts * steps
+        assert parts == 1 or steps >= 8
+    assert gg.split(g256, _weight(4096, 4096), 512, 132) == (1, 2048)
+    assert gg.split(g128, _weight(4096, 4096), 128, None) == (1, 2048)  # off the GPU: one
+    parts, seg = gg.split(g128.with_(split_k=3), _weight(512, 1280), 77, 132)  # 20 steps in 3: 8, 8, 4
+    assert (parts, seg) == (3, 256)
+
+
+def test_not_runnable_off_a_hopper_gpu():
+    """On the CPU (the interpreter) the kernel never runs: the table's choice without the Gluon rule does."""
+    config = CONFIGS["GLUON_GEMM128"]
+    w = _weight(2048, 4096)
+    x = torch.zeros((96, 4096), dtype=torch.bfloat16)
+    assert not gg.runnable(config, w, x, 96)
+    assert linear_launch.launch_config(config, w, x, 96, False).kernel != "gemm_gluon"
+    assert linear_launch.direct(config) and not linear_launch.direct(LinearConfig(kernel="gemm_word"))
+
+
+def test_quarter_tables_cover_the_dtypes():
+    """The quarter-table asm names the multiply (ftz or IEEE) and the rounding (bf16 or f16) it is asked for."""
+    for ftz, mul in ((True, "mul.rn.ftz.f32"), (False, "mul.rn.f32 ")):
+        for dt in ("bf16", "f16"):
+            text = gg.quarter_asm(ftz, dt)
+            assert text.count(mul.strip()) == 4 and text.count(f"cvt.rn.{dt}x2.f32") == 2
+            assert ("ftz" in text) == ftz
+    assert np.array_equal(np.sort(fragment.perm()), np.arange(64))
