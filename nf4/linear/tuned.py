@@ -88,21 +88,27 @@ LONG_ROW = 11008  # ... unless their rows are longer than this
 TALL = 16384  # M = 9-16: weights of at least this many rows take GEMV_MMA_WK16 (one launch) over GEMV_MMA16
 
 
-# GPUs whose rows M = 65-512 take the Gluon GEMM (kernel "gemm_gluon") on large weights: raced against nf4.linear over
-# the shape catalog at M = 64, 128, 256, 512 (`python -m experiments.labs.gluon_gemm --race --shapes catalog`,
-# results/labs/gluon_race_<gpu>.json) and fit on the fit subset; `python -m experiments.labs.gluon_gemm --report-race`
-# gives the rules' time over the table's before them on both subsets
-GLUON_RULE_GPUS = ("H100", "H200")
-GLUON_RULES = ((128, 8 << 20, 0.0, "GLUON_GEMM128"), (256, 16 << 20, 1.0, "GLUON_GEMM256"),
-               (512, 24 << 20, 0.75, "GLUON_GEMM256"))  # (largest M, least N * K, least N / K, config)
+# Per GPU, the rows M = 65-512 that take the Gluon GEMM (kernel "gemm_gluon") on large weights: (largest M, least
+# N * K, least N / K, config). H100: the lab kernels raced against nf4.linear over the whole shape catalog at M = 64,
+# 128, 256, 512 (`python -m experiments.labs.gluon_gemm --race --shapes catalog`, results/labs/gluon_race_h100.json,
+# two runs), fit on the fit subset. H200: nf4.linear with the H100's rows against the table without them over half the
+# catalog at M = 96, 128, 256, 512, bf16 and fp16 (`--product`, results/labs/gluon_product_h200.json), the rows'
+# thresholds raised to fit its fit subset (its dequantize + cuBLAS is faster). `--report-rule` gives both subsets.
+GLUON_RULES = {
+    "H100": ((128, 8 << 20, 0.0, "GLUON_GEMM128"), (256, 16 << 20, 1.0, "GLUON_GEMM256"),
+             (512, 24 << 20, 0.75, "GLUON_GEMM256")),
+    "H200": ((128, 16 << 20, 0.0, "GLUON_GEMM128"), (256, 24 << 20, 1.0, "GLUON_GEMM256"),
+             (512, 48 << 20, 0.75, "GLUON_GEMM256")),
+}
 
 
 def gluon_rule(m: int, n: int, k: int, gpu: str) -> LinearConfig | None:
-    """The Gluon GEMM's config for M rows of x and a weight of n x k on the named GPU, or None (GLUON_RULES: the first
-    row whose largest M takes m, from M = 65)."""
-    if m <= 64 or not any(g in gpu for g in GLUON_RULE_GPUS):
+    """The Gluon GEMM's config for M rows of x and a weight of n x k on the named GPU, or None (its GLUON_RULES: the
+    first row whose largest M takes m, from M = 65; none on other GPUs)."""
+    rules = next((r for g, r in GLUON_RULES.items() if g in gpu), None)
+    if m <= 64 or rules is None:
         return None
-    for limit, least, ratio, name in GLUON_RULES:
+    for limit, least, ratio, name in rules:
         if m <= limit:
             return CONFIGS[name] if n * k >= least and n >= ratio * k else None
     return None

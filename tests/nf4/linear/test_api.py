@@ -658,29 +658,33 @@ def test_opaque_dequantize_binds_per_launch_facts_and_rebinds_every_pointer(nf4h
 
 
 def test_gluon_rule():
-    """tuned.gluon_rule on the H100 and the H200: M = 65-128 on weights of 8Mi weights or more take GLUON_GEMM128;
-    M = 129-256 on weights of 16Mi or more with N >= K, and M = 257-512 on weights of 24Mi or more with N >= 0.75 K,
-    GLUON_GEMM256; nothing at M <= 64 or above 512, on other GPUs, or in the backward; with gluon=False, and where
-    the kernel cannot run (tuned.fallback's "table"), the table's choice for the shape without the rule."""
+    """tuned.gluon_rule: on the H100, M = 65-128 on weights of 8Mi weights or more take GLUON_GEMM128, M = 129-256 on
+    weights of 16Mi or more with N >= K and M = 257-512 on weights of 24Mi or more with N >= 0.75 K GLUON_GEMM256; on
+    the H200 the same rows from 16Mi, 24Mi and 48Mi weights; nothing at M <= 64 or above 512, on other GPUs, or in the
+    backward; with gluon=False, and where the kernel cannot run (tuned.fallback's "table"), the table's choice for the
+    shape without the rule."""
     from nf4.linear.tuned import CONFIGS, fallback, for_shape, gluon_rule, pick, tuned
 
     g128, g256 = CONFIGS["GLUON_GEMM128"], CONFIGS["GLUON_GEMM256"]
     assert g128.kernel == g256.kernel == "gemm_gluon" and (g128.block_m, g256.block_m) == (128, 256)
-    for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+    for gpu, scale in (("NVIDIA H100 80GB HBM3", (1, 1, 1)), ("NVIDIA H200", (2, 1.5, 2))):
+        n128, n256, n512 = (int(4096 * s) for s in scale)  # rows that reach each threshold
         for m in (65, 100, 128):
-            assert gluon_rule(m, 2048, 4096, gpu) is g128 and gluon_rule(m, 2047, 4096, gpu) is None, m
-            assert gluon_rule(m, 1024, 8192, gpu) is g128, m  # N < K: no ratio at M <= 128
+            assert gluon_rule(m, n128 // 2, 4096, gpu) is g128 and gluon_rule(m, n128 // 2 - 1, 4096, gpu) is None, m
+            assert gluon_rule(m, n128 // 4, 8192, gpu) is g128, m  # N < K: no ratio at M <= 128
         for m in (129, 256):
-            assert gluon_rule(m, 4096, 4096, gpu) is g256 and gluon_rule(m, 4095, 4096, gpu) is None, m
+            assert gluon_rule(m, n256, 4096, gpu) is g256 and gluon_rule(m, n256 - 1, 4096, gpu) is None, m
             assert gluon_rule(m, 4096, 14336, gpu) is None and gluon_rule(m, 14336, 4096, gpu) is g256, m
         for m in (257, 512):
-            assert gluon_rule(m, 6144, 4096, gpu) is g256 and gluon_rule(m, 4096, 4096, gpu) is None, m
-            assert gluon_rule(m, 6144, 8192, gpu) is g256 and gluon_rule(m, 6143, 8192, gpu) is None, m
+            assert gluon_rule(m, int(1.5 * n512), 4096, gpu) is g256, m
+            assert gluon_rule(m, int(1.5 * n512) - 1, 4096, gpu) is None, m
+            assert gluon_rule(m, 12288, 16384, gpu) is g256 and gluon_rule(m, 12287, 16384, gpu) is None, m  # 0.75 K
         for m in (1, 16, 64, 513, 4096):
             assert gluon_rule(m, 59136, 8192, gpu) is None, m
         assert tuned(gpu, 128, n=14336, k=4096) is g128 and tuned(gpu, 128, True, n=14336, k=4096).kernel == "dequant"
         assert tuned(gpu, 128) is not g128  # no shape: the row
-        for m, n, k in ((100, 14336, 4096), (200, 4096, 4096), (400, 14336, 4096)):
+        for m, n, k in ((100, 14336, 4096), (200, 14336, 4096), (400, 14336, 4096)):
+            assert tuned(gpu, m, n=n, k=k).kernel == "gemm_gluon", (gpu, m)
             without = tuned(gpu, m, n=n, k=k, gluon=False)
             assert without.kernel != "gemm_gluon" and fallback(tuned(gpu, m, n=n, k=k), m, n, k, gpu) is without
             assert without is for_shape(pick(tuned.__globals__["TUNED"]["H100"]["forward"], m), m, n, k, gpu)
