@@ -1,48 +1,36 @@
-"""What the Gluon labs (gluon_gemm.py, gluon_ws.py) share: the exact product-table asm, the double-quantized absmax,
-the TMA load under both Triton versions' names, the swap-AB epilogue, the split-K choice."""
+"""What the Gluon labs (gluon_gemm.py, gluon_ws.py) share: the exact product-table asm, and from the product's Gluon
+GEMM (nf4.linear.gemm_gluon) the double-quantized absmax, the TMA load under both Triton versions' names and the
+swap-AB epilogue; the split-K choice and second pass."""
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from nf4.device import table_asm
+from nf4.linear.gemm_gluon import SINGLE_MUL, store_tile
+from nf4.linear.gemm_gluon import block_absmax as product_absmax
+from nf4.linear.gemm_gluon import tma_load as _tma_load  # noqa: F401 (the labs' name)
 
 TABLE_BF16_FTZ = gl.constexpr(table_asm(True, "bf16"))
-# Triton 3.6 (the GPU machines) names the TMA load async_copy_global_to_shared; 3.9 (CI's offline builds) async_load
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-ABSMAX_BLOCK = gl.constexpr(256)  # blocks of absmax per absmax2 scale (bitsandbytes' double quantization)
+MUL_FTZ = gl.constexpr(SINGLE_MUL[True])
 
 
 @gluon.jit
 def _absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset):
     """Double quantization: code2[q] * absmax2[blk // 256] (mul.rn.ftz) + offset for absmax bytes q of blocks blk,
-    as bitsandbytes (two roundings)."""
-    level = gl.load(code2_ptr + q.to(gl.int32), mask=ok, other=0.0)
-    scale2 = gl.load(absmax2_ptr + blk // ABSMAX_BLOCK, mask=ok, other=0.0)
-    prod = gl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [level, scale2], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-    return prod + offset
+    as bitsandbytes (two roundings): the product GEMM's (nf4.linear.gemm_gluon)."""
+    return product_absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset, True, MUL_FTZ)
 
 
 @gluon.jit
 def _store_out(acc, off_n, off_m, M, N, bias_ptr, out_ptr, part_ptr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """The swap-AB epilogue: acc [BN rows of W, BM rows of x] (float32) -> out[m, n] rounded to bf16 (+ bias), or with
-    SPLIT > 1 the float32 partial sums, which nf4_split_sum_kernel adds in split order with the bias and rounds."""
-    BN: gl.constexpr = acc.shape[0]
-    BM: gl.constexpr = acc.shape[1]
-    ACC: gl.constexpr = acc.type.layout
-    n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-    m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-    mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
-    idx = gl.expand_dims(m, 0) * N + gl.expand_dims(n, 1)
+    """The swap-AB epilogue (the product GEMM's): out[m, n] rounded to bf16 (+ bias), or with SPLIT > 1 the float32
+    partial sums, which nf4_split_sum_kernel adds in split order with the bias and rounds."""
     if SPLIT > 1:
-        gl.store(part_ptr + gl.program_id(2) * M * N + idx, acc, mask=mask)
+        store_tile(acc, off_n, off_m, M, N, bias_ptr, part_ptr, True, False, gl.bfloat16)
     else:
-        if HAS_BIAS:
-            acc = acc + gl.expand_dims(gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32), 1)
-        gl.store(out_ptr + idx, acc.to(gl.bfloat16), mask=mask)
+        store_tile(acc, off_n, off_m, M, N, bias_ptr, out_ptr, False, HAS_BIAS, gl.bfloat16)
 
 
 def splits(tiles: int, steps: int, split: int, sms: int = 132) -> int:

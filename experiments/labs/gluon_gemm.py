@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from nf4.device import LOOKUP_ASM
+from nf4.linear.gemm_gluon import a_fragment, nf4_permute_x_kernel, quad_tables, quarter_asm, words_layout
 
 from .gluon_common import (
     TABLE_BF16_FTZ,
@@ -50,54 +49,23 @@ from .gluon_common import (
     triton_cdiv,
 )
 
-# SHARE: lane q of a quad makes plane q of its rows' tables (entries 4q .. 4q + 3: $2 absmax, $3..$6 their levels),
-# then the quad swaps planes with segmented shuffles (width 4: source lane (lane & ~3) | i)
-QUARTER_BF16_FTZ = gl.constexpr(" ".join([
-    "{", ".reg .b32 p0, p1, p2, p3, q0, q1;",
-    *[f"mul.rn.ftz.f32 p{j}, $2, ${3 + j};" for j in range(4)],
-    "cvt.rn.bf16x2.f32 q0, p1, p0;", "cvt.rn.bf16x2.f32 q1, p3, p2;",
-    "prmt.b32 $0, q0, q1, 0x6420;", "prmt.b32 $1, q0, q1, 0x7531;", "}"]))
-SWAP_PLANES = gl.constexpr(" ".join(
-    [f"shfl.sync.idx.b32 ${i}, $8, {i}, 0x1c1f, -1;" for i in range(4)]
-    + [f"shfl.sync.idx.b32 ${4 + i}, $9, {i}, 0x1c1f, -1;" for i in range(4)]))
-
-
-def words_layout(warps: int) -> gl.DistributedLinearLayout:
-    """[16 * warps, 8] words of a step: lane 4g + q of warp w holds words 2q, 2q + 1 of rows 16w + g, 16w + g + 8."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[16 * warps, 8])
+QUARTER_BF16_FTZ = gl.constexpr(quarter_asm(True, "bf16"))  # SHARE: a quarter of each table a lane, then swapped
 
 
 @gluon.jit
 def _decode(words, amax, lv0, lv1, lv2, lv3, BN: gl.constexpr, SHARE: gl.constexpr, A_LAYOUT: gl.constexpr):
     """[BN, 8] words (WORDS layout) and their rows' absmax [BN] -> the [BN, 64] bfloat16 A operand in fragment
     column order (column f of a step holds packed element fragment.perm()[f]). SHARE: the quad's lanes make a
-    quarter of each table and swap (lv0..lv3: this lane's 4 levels, [BN, 4]), else each lane makes whole tables."""
+    quarter of each table and swap (lv0..lv3: this lane's 4 levels, [BN, 4]; the product GEMM's decode), else each
+    lane makes whole tables."""
     w0, w1 = gl.split(gl.reshape(words, [BN, 4, 2]))  # [BN, 4 (q)] each: words 2q and 2q + 1 of the row's step
     if SHARE:
-        a = gl.expand_dims(gl.convert_layout(amax, gl.SliceLayout(1, w0.type.layout)), 1)
-        lo, hi = gl.inline_asm_elementwise(QUARTER_BF16_FTZ, "=r,=r,r,r,r,r,r", [a, lv0, lv1, lv2, lv3],
-                                           dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-        t0, t1, t2, t3, t4, t5, t6, t7 = gl.inline_asm_elementwise(
-            SWAP_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [lo, hi], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
+        t0, t1, t2, t3, t4, t5, t6, t7 = quad_tables(w0, amax, lv0, lv1, lv2, lv3, QUARTER_BF16_FTZ)
     else:
         a = gl.expand_dims(gl.convert_layout(amax, gl.SliceLayout(1, w0.type.layout)), 1)
         t0, t1, t2, t3, t4, t5, t6, t7 = gl.inline_asm_elementwise(
             TABLE_BF16_FTZ, "=r,=r,=r,=r,=r,=r,=r,=r,r", [a], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
-    p00, p01, p02, p03 = gl.inline_asm_elementwise(
-        LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [w0, t0, t1, t2, t3, t4, t5, t6, t7],
-        dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
-    p10, p11, p12, p13 = gl.inline_asm_elementwise(
-        LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [w1, t0, t1, t2, t3, t4, t5, t6, t7],
-        dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
-    p0, p1, p2, p3 = gl.join(p00, p10), gl.join(p01, p11), gl.join(p02, p12), gl.join(p03, p13)  # [BN, 4, 2 (v)]
-    q = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, 4, 2, 2 (j0), 2 (j1)]: pair j = 2 j1 + j0
-    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [q], dtype=(gl.bfloat16, gl.bfloat16),
-                                       is_pure=True, pack=1)
-    t = gl.join(lo, hi)  # [BN, 4 (q), 2 (v: word 2q + v), 2 (j0), 2 (j1), 2 (e)]: element 2j + e of the word
-    t = gl.permute(t, [0, 2, 4, 3, 1, 5])  # column 32 v + 16 j1 + 8 j0 + 2 q + e: chunk 2 v + j1, half j0
-    return gl.convert_layout(gl.reshape(t, [BN, 64]), A_LAYOUT)
+    return a_fragment(w0, w1, t0, t1, t2, t3, t4, t5, t6, t7, BN, gl.bfloat16, A_LAYOUT)
 
 
 @gluon.jit
@@ -270,27 +238,14 @@ CANDIDATES = {
 }
 
 
-@triton.jit
-def lab_permute_x_kernel(x_ptr, out_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """out[:, 64 s + f] = x[:, 64 s + perm[f]], perm computed from f's bits (fragment.perm: f = 16 c + 8 h + 2 q + e
-    holds packed element 16 q + 8 (c >> 1) + 4 (c & 1) + 2 h + e)."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    col = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    f = col % 64
-    src = col - f + 16 * ((f >> 1) & 3) + 8 * (f >> 5) + 4 * ((f >> 4) & 1) + 2 * ((f >> 3) & 1) + (f & 1)
-    ok = (r[:, None] < M) & (col[None, :] < K)
-    row = r[:, None].to(tl.int64) * K
-    tl.store(out_ptr + row + col[None, :], tl.load(x_ptr + row + src[None, :], mask=ok), mask=ok)
-
-
 def permute_x(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (contiguous, K a multiple of 64) with each 64-column step in fragment column order: column f of a
-    step is column perm()[f]. One Triton gather (a copy); the interpreter runs it too."""
+    step is column perm()[f]. The product GEMM's gather (nf4_permute_x_kernel, a copy); the interpreter runs it too."""
     m, k = x.shape
     if out is None:
         out = torch.empty_like(x)
     rows, cols = 8, 512
-    lab_permute_x_kernel[(triton_cdiv(m, rows), triton_cdiv(k, cols))](x, out, m, k, ROWS=rows, COLS=cols)
+    nf4_permute_x_kernel[(triton_cdiv(m, rows), triton_cdiv(k, cols))](x, out, m, k, ROWS=rows, COLS=cols)
     return out
 
 
@@ -500,6 +455,72 @@ def run_product(n: int, k: int, ms, dtype, log=print) -> list[dict]:
     return rows
 
 
+RULE_CANDIDATE = {"GLUON_GEMM128": "g_m128_w4_a1_sh", "GLUON_GEMM256": "g_m256_w4_a1_sh"}  # the lab kernel of each
+
+
+def judge_rule(payload: dict, gpu: str | None = None) -> dict:
+    """This commit's Gluon rule (nf4.linear.tuned.gluon_rule) judged on a race (`--race`) or product (`--product`)
+    file: per source, dtype, M and catalog subset, the (shape, M) rows it routes, and over them the median and worst of
+    the Gluon time over the table's choice without the rule, the rows more than 3 % slower, and the median time over
+    dense cuBLAS and the rows faster than it. A race file's table time is its nf4.linear (the commit before the rule),
+    its Gluon time the rule's lab kernel; a product file's are nf4.linear_table and nf4.linear (which must have run
+    the Gluon GEMM). Only operand-exact Gluon rows within the float32 bound count."""
+    from statistics import median
+
+    from experiments import catalog
+    from nf4.linear.tuned import NAMES, gluon_rule
+
+    gpu = gpu or payload["device"]
+    subsets = {(s.n, s.k): s.subset for s in catalog.catalog()}
+    groups: dict = {}
+    for r in payload["rows"]:
+        groups.setdefault((r["N"], r["K"], r["M"], r.get("dtype", "bfloat16")), {})[r["provider"]] = r
+    product = any("nf4.linear_table" in g for g in groups.values())
+    cells: dict = {}
+    for (n, k, m, dt), g in sorted(groups.items()):
+        rule = gluon_rule(m, n, k, gpu)
+        if rule is None or "cublas_dense" not in g:
+            continue
+        name = NAMES[rule]
+        gluon, table = (g.get("nf4.linear"), g.get("nf4.linear_table")) if product else (
+            g.get(RULE_CANDIDATE[name]), g.get("nf4.linear"))
+        if not gluon or not table or (product and gluon.get("config") not in RULE_CANDIDATE):
+            continue  # (a product row measured before this rule routed it: not a Gluon time)
+        ok = gluon.get("operand_mismatches") == 0 and gluon.get("random_within_bound") and gluon.get("graph_us")
+        cell = cells.setdefault((dt, m, subsets.get((n, k), "uncatalogued")), {"ratios": [], "dense": [], "bad": 0})
+        if not ok or not table.get("graph_us"):
+            cell["bad"] += 1
+            continue
+        cell["ratios"].append(gluon["graph_us"] / table["graph_us"])
+        cell["dense"].append(gluon["graph_us"] / g["cublas_dense"]["graph_us"])
+    rows = [{"dtype": dt, "M": m, "subset": sub, "routed": len(c["ratios"]) + c["bad"], "not_exact": c["bad"],
+             "median_over_table": median(c["ratios"]) if c["ratios"] else None,
+             "worst_over_table": max(c["ratios"], default=None),
+             "slower_than_table_3pct": sum(v > 1.03 for v in c["ratios"]),
+             "median_over_dense": median(c["dense"]) if c["dense"] else None,
+             "faster_than_dense": sum(v < 1 for v in c["dense"])} for (dt, m, sub), c in sorted(cells.items())]
+    return {"device": payload["device"], "source": "product" if product else "race",
+            "measured_at": payload.get("environment", {}).get("commit"), "part": payload.get("part"),
+            "shapes": len({(k[0], k[1]) for k in groups}), "rows": rows}
+
+
+def rule_table(judged: list[dict]) -> str:
+    out = []
+    for j in judged:
+        out += [f"{j['device']}, {j['source']} file ({j['shapes']} shapes, part {j['part']}, measured at "
+                f"{str(j['measured_at'])[:7]}): this commit's Gluon rule, Gluon time / the table's without it", "",
+                "| dtype | M | subset | routed | median | worst | > 3 % slower | median / dense | faster than dense |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in j["rows"]:
+            def f(v):
+                return "-" if v is None else f"{v:.2f}"
+            out.append(f"| {r['dtype']} | {r['M']} | {r['subset']} | {r['routed']} | {f(r['median_over_table'])} | "
+                       f"{f(r['worst_over_table'])} | {r['slower_than_table_3pct']} | {f(r['median_over_dense'])} | "
+                       f"{r['faster_than_dense']} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def shape_list(shapes, part: str = "0/1") -> list[tuple[int, int]]:
     """(N, K) pairs from 'NxK' strings; 'catalog' stands for the shape catalog's shapes, every n-th from the i-th
     (part 'i/n')."""
@@ -562,11 +583,27 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES) + list(WS), choices=list(CANDIDATES) + list(WS))
     ap.add_argument("--out", default="build/labs/gluon_gemm.json")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="print a markdown table and exit")
+    ap.add_argument("--report-rule", nargs="+", default=None, metavar="JSON",
+                    help="judge this commit's Gluon rule on race or product files of one GPU, print it and exit")
+    ap.add_argument("--out-report", default=None, metavar="JSON", help="with --report-rule: also write it here")
     ap.add_argument("--build", nargs="+", default=None, metavar="CANDIDATE",
                     help="offline sm_90 builds of these candidates: print their facts as JSON and exit (no GPU)")
     ap.add_argument("--probe", nargs=3, default=None, metavar=("CANDIDATE", "NxK", "M"),
                     help="one warm-up and one timed launch of a candidate (for ncu -k regex:lab_gluon -s 1 -c 1)")
     args = ap.parse_args(argv)
+    if args.report_rule:
+        from nf4.linear.tuned import GLUON_RULES
+        from verify import timing
+
+        judged = [judge_rule(json.loads(Path(p).read_text())) for p in args.report_rule]
+        print(rule_table(judged))
+        if args.out_report:
+            Path(args.out_report).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out_report).write_text(json.dumps(
+                {"device": judged[0]["device"], "environment": timing.environment(),
+                 "rules": {g: [list(r) for r in rows] for g, rows in GLUON_RULES.items()},
+                 "sources": [str(p) for p in args.report_rule], "judged": judged}, indent=1))
+        return 0
     if args.report:
         print(report(args.report))
         return 0

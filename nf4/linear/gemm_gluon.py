@@ -34,7 +34,7 @@ try:  # Triton 3.6+ (the API's names changed between releases: the TMA load belo
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     AVAILABLE = True
 except (ImportError, AttributeError):  # pragma: no cover (an older Triton)
     AVAILABLE = False
@@ -92,7 +92,7 @@ if AVAILABLE:
             shape=[16 * warps, 8])
 
     @gluon.jit
-    def _absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset, DOUBLE_QUANT: gl.constexpr, MUL: gl.constexpr):
+    def block_absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset, DOUBLE_QUANT: gl.constexpr, MUL: gl.constexpr):
         """The float32 absmax of blocks blk from what was loaded for them (q): with double quantization
         code2[q] * absmax2[blk // 256] + offset (two roundings, as bitsandbytes), else q itself."""
         if DOUBLE_QUANT:
@@ -104,16 +104,21 @@ if AVAILABLE:
             return q
 
     @gluon.jit
-    def _decode(words, amax, lv0, lv1, lv2, lv3, QUARTER: gl.constexpr, BN: gl.constexpr, DT: gl.constexpr,
-                A_LAYOUT: gl.constexpr):
-        """[BN, 8] words (words_layout) and their rows' absmax [BN] -> the [BN, 64] A operand in fragment column
-        order (column f of a step holds packed element perm(f), `nf4_permute_x_kernel`)."""
-        w0, w1 = gl.split(gl.reshape(words, [BN, 4, 2]))  # [BN, 4 (q)]: words 2q and 2q + 1 of the row's step
+    def quad_tables(w0, amax, lv0, lv1, lv2, lv3, QUARTER: gl.constexpr):
+        """The byte planes t0..t7 of each row's product table (nf4.device.product_table's), each lane of a quad
+        making a quarter (its 4 levels lv0..lv3) and the quad swapping them; rows' absmax [BN], w0 a [BN, 4] tensor
+        of the split words' layout."""
         a = gl.expand_dims(gl.convert_layout(amax, gl.SliceLayout(1, w0.type.layout)), 1)
         lo, hi = gl.inline_asm_elementwise(QUARTER, "=r,=r,r,r,r,r,r", [a, lv0, lv1, lv2, lv3],
                                            dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-        t0, t1, t2, t3, t4, t5, t6, t7 = gl.inline_asm_elementwise(
-            SWAP, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [lo, hi], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
+        return gl.inline_asm_elementwise(SWAP, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [lo, hi], dtype=(gl.uint32,) * 8,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def a_fragment(w0, w1, t0, t1, t2, t3, t4, t5, t6, t7, BN: gl.constexpr, DT: gl.constexpr,
+                  A_LAYOUT: gl.constexpr):
+        """Words 2q (w0) and 2q + 1 (w1) of each row's step, looked up in the rows' tables, as the [BN, 64] A operand
+        in fragment column order (column f of a step holds packed element perm(f), `nf4_permute_x_kernel`)."""
         p00, p01, p02, p03 = gl.inline_asm_elementwise(
             LOOKUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [w0, t0, t1, t2, t3, t4, t5, t6, t7],
             dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
@@ -128,6 +133,33 @@ if AVAILABLE:
         t = gl.join(lo, hi).to(DT, bitcast=True)
         t = gl.permute(t, [0, 2, 4, 3, 1, 5])  # column 32 v + 16 j1 + 8 j0 + 2 q + e
         return gl.convert_layout(gl.reshape(t, [BN, 64]), A_LAYOUT)
+
+    @gluon.jit
+    def _decode(words, amax, lv0, lv1, lv2, lv3, QUARTER: gl.constexpr, BN: gl.constexpr, DT: gl.constexpr,
+                A_LAYOUT: gl.constexpr):
+        """[BN, 8] words (words_layout) and their rows' absmax [BN] -> the [BN, 64] A operand (`a_fragment`)."""
+        w0, w1 = gl.split(gl.reshape(words, [BN, 4, 2]))  # [BN, 4 (q)]: words 2q and 2q + 1 of the row's step
+        t0, t1, t2, t3, t4, t5, t6, t7 = quad_tables(w0, amax, lv0, lv1, lv2, lv3, QUARTER)
+        return a_fragment(w0, w1, t0, t1, t2, t3, t4, t5, t6, t7, BN, DT, A_LAYOUT)
+
+    @gluon.jit
+    def store_tile(acc, off_n, off_m, M, N, bias_ptr, out_ptr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  DT: gl.constexpr):
+        """The swap-AB epilogue: acc [BN rows of W, BM rows of x] (float32) -> out[m, n] rounded to DT (+ bias), or
+        (PARTIAL) the float32 partial sums of split program_id(2) of [split, M, N]."""
+        BN: gl.constexpr = acc.shape[0]
+        BM: gl.constexpr = acc.shape[1]
+        ACC: gl.constexpr = acc.type.layout
+        n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+        mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
+        idx = gl.expand_dims(m.to(gl.int64), 0) * N + gl.expand_dims(n, 1)
+        if PARTIAL:
+            gl.store(out_ptr + gl.program_id(2).to(gl.int64) * M * N + idx, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc = acc + gl.expand_dims(gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32), 1)
+            gl.store(out_ptr + idx, acc.to(DT), mask=mask)
 
     @gluon.jit
     def _step(s, acc, amax, q_next, x_desc, w_desc, x_smem, w_smem, bars, absmax_ptr, absmax2_ptr, code2_ptr,
@@ -147,9 +179,9 @@ if AVAILABLE:
         ns = nxt % STAGES
         ok = nxt < n_steps
         mbarrier.expect(bars.index(ns), step_bytes, pred=ok)
-        _tma_load(x_desc, [off_m, (k0 + nxt) * 64], bars.index(ns), x_smem.index(ns), pred=ok)
-        _tma_load(w_desc, [off_n, (k0 + nxt) * 8], bars.index(ns), w_smem.index(ns), pred=ok)
-        amax = _absmax(q_next, blk + gl.minimum(s + 1, last), row_ok, absmax2_ptr, code2_ptr, offset, DOUBLE_QUANT,
+        tma_load(x_desc, [off_m, (k0 + nxt) * 64], bars.index(ns), x_smem.index(ns), pred=ok)
+        tma_load(w_desc, [off_n, (k0 + nxt) * 8], bars.index(ns), w_smem.index(ns), pred=ok)
+        amax = block_absmax(q_next, blk + gl.minimum(s + 1, last), row_ok, absmax2_ptr, code2_ptr, offset, DOUBLE_QUANT,
                        MUL)
         return acc, amax, q_after
 
@@ -183,8 +215,8 @@ if AVAILABLE:
         for i in gl.static_range(STAGES - 1):
             ok = i < n_steps
             mbarrier.expect(bars.index(i), step_bytes, pred=ok)
-            _tma_load(x_desc, [off_m, (k0 + i) * 64], bars.index(i), x_smem.index(i), pred=ok)
-            _tma_load(w_desc, [off_n, (k0 + i) * 8], bars.index(i), w_smem.index(i), pred=ok)
+            tma_load(x_desc, [off_m, (k0 + i) * 64], bars.index(i), x_smem.index(i), pred=ok)
+            tma_load(w_desc, [off_n, (k0 + i) * 8], bars.index(i), w_smem.index(i), pred=ok)
 
         rows = off_n + gl.arange(0, BN, layout=ROWS)
         row_ok = rows < N
@@ -193,7 +225,7 @@ if AVAILABLE:
             offset = gl.load(offset_ptr)
         else:
             offset = 0.0
-        amax = _absmax(gl.load(absmax_ptr + blk), blk, row_ok, absmax2_ptr, code2_ptr, offset, DOUBLE_QUANT, MUL)
+        amax = block_absmax(gl.load(absmax_ptr + blk), blk, row_ok, absmax2_ptr, code2_ptr, offset, DOUBLE_QUANT, MUL)
         q_next = gl.load(absmax_ptr + blk + gl.minimum(1, last))
         # this lane's four levels NF4[4q + j], as [BN, 4] tensors in the split words' layout
         cols = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS))
@@ -217,16 +249,7 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-        m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-        mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
-        idx = gl.expand_dims(m.to(gl.int64), 0) * N + gl.expand_dims(n, 1)
-        if PARTIAL:
-            gl.store(out_ptr + gl.program_id(2).to(gl.int64) * M * N + idx, acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc = acc + gl.expand_dims(gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32), 1)
-            gl.store(out_ptr + idx, acc.to(DT), mask=mask)
+        store_tile(acc, off_n, off_m, M, N, bias_ptr, out_ptr, PARTIAL, HAS_BIAS, DT)
 
 
 def runnable(config: LinearConfig, w: NF4Weight, x, m: int) -> bool:

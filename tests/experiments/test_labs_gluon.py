@@ -119,3 +119,66 @@ def test_split_k_second_pass_in_the_interpreter():
     want = ((part[0] + part[1]) + part[2]) + bias.float()  # float32, split order, then the bias, one rounding
     assert torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
     gc._PARTS.clear()
+
+
+def test_shape_list_parts_cover_the_catalog():
+    from experiments import catalog
+
+    whole = gg.shape_list(["catalog"])
+    assert whole == [(s.n, s.k) for s in catalog.catalog()]
+    parts = [gg.shape_list(["catalog"], f"{i}/3") for i in range(3)]
+    assert sorted(s for part in parts for s in part) == sorted(whole) and all(parts)
+    assert gg.shape_list(["4096x14336", "catalog"], "1/154")[0] == (4096, 14336)
+    with pytest.raises(ValueError, match="--part"):
+        gg.shape_list(["catalog"], "3/3")
+
+
+def _row(n, k, m, provider, us, dtype="bfloat16", **extra):
+    return {"N": n, "K": k, "M": m, "dtype": dtype, "provider": provider, "graph_us": us, **extra}
+
+
+def test_judge_rule_on_race_and_product_files():
+    """judge_rule counts only what this commit's rule routes, compares the rule's kernel with the table's time, and
+    counts a routed row that was not exact instead of timing it."""
+    exact = {"operand_mismatches": 0, "random_within_bound": True}
+    h100 = "NVIDIA H100 80GB HBM3"
+    race = {"device": h100, "rows": [
+        # 14336 x 4096 at M = 128: routed (GLUON_GEMM128 -> g_m128_w4_a1_sh): 30 / 40
+        _row(14336, 4096, 128, "cublas_dense", 25.0), _row(14336, 4096, 128, "nf4.linear", 40.0),
+        _row(14336, 4096, 128, "g_m128_w4_a1_sh", 30.0, **exact),
+        _row(14336, 4096, 128, "g_m256_w4_a1_sh", 1.0, **exact),
+        # 1024 x 1024 at M = 128: not routed (too small), whatever its times
+        _row(1024, 1024, 128, "cublas_dense", 5.0), _row(1024, 1024, 128, "nf4.linear", 9.0),
+        _row(1024, 1024, 128, "g_m128_w4_a1_sh", 1.0, **exact),
+        # 4096 x 14336 at M = 256: not routed (N < K); at M = 128 routed but not exact
+        _row(4096, 14336, 256, "cublas_dense", 5.0), _row(4096, 14336, 256, "nf4.linear", 9.0),
+        _row(4096, 14336, 128, "cublas_dense", 5.0), _row(4096, 14336, 128, "nf4.linear", 9.0),
+        _row(4096, 14336, 128, "g_m128_w4_a1_sh", 1.0, operand_mismatches=3, random_within_bound=True)]}
+    j = gg.judge_rule(race)
+    assert j["source"] == "race" and j["shapes"] == 3
+    cells = {(r["M"], r["subset"]): r for r in j["rows"]}
+    from experiments import catalog
+
+    sub = {(s.n, s.k): s.subset for s in catalog.catalog()}
+    a, b = cells[(128, sub[(14336, 4096)])], cells[(128, sub[(4096, 14336)])]
+    if sub[(14336, 4096)] == sub[(4096, 14336)]:
+        assert a["routed"] == 2 and a["not_exact"] == 1 and a["median_over_table"] == pytest.approx(0.75)
+    else:
+        assert (a["routed"], a["not_exact"], b["routed"], b["not_exact"]) == (1, 0, 1, 1)
+        assert a["median_over_table"] == pytest.approx(0.75) and b["median_over_table"] is None
+    assert a["median_over_dense"] == pytest.approx(1.2) and a["faster_than_dense"] == 0
+    assert all(r["M"] == 128 for r in j["rows"])
+    product = {"device": "NVIDIA H200", "rows": [
+        _row(14336, 4096, 128, "cublas_dense", 25.0, "float16"),
+        _row(14336, 4096, 128, "nf4.linear", 20.0, "float16", config="GLUON_GEMM128", **exact),
+        _row(14336, 4096, 128, "nf4.linear_table", 40.0, "float16", config="WORD_GEMM128_W8"),
+        # routed by this rule but measured when the table did not route it: skipped
+        _row(8192, 8192, 300, "cublas_dense", 25.0),
+        _row(8192, 8192, 300, "nf4.linear", 30.0, config="DEQUANT", **exact),
+        _row(8192, 8192, 300, "nf4.linear_table", 30.0, config="DEQUANT")]}
+    j = gg.judge_rule(product)
+    assert j["source"] == "product" and len(j["rows"]) == 1
+    r = j["rows"][0]
+    assert (r["dtype"], r["M"], r["routed"], r["faster_than_dense"]) == ("float16", 128, 1, 1)
+    assert r["median_over_table"] == pytest.approx(0.5) and r["slower_than_table_3pct"] == 0
+    assert "| float16 | 128 |" in gg.rule_table([j])

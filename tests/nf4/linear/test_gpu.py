@@ -347,10 +347,16 @@ def test_sum_within_bound(nf4h, lin, record_property, shape, dtype):
 def test_torch_compile_forward(nf4h, lin, dtype, m):
     """torch.compile(fullgraph=True) (Inductor) of a function calling nf4.linear: the same bits as eager
     (the tuned path at each M on an H100: the tensor-core GEMV at 1 and 16, the word tl.dot kernel at 64)."""
+    packed, qs = nf4h.quantize((333, 512), dtype, 64, True, seed=nf4h.case_seed("gpu-compile", dtype, m), device=CUDA)
+    _compiled_is_eager(lin, packed, qs, (m, 512), dtype, f"compiled vs eager, M={m}")
+
+
+def _compiled_is_eager(lin, packed, qs, x_shape, dtype, name):
+    """torch.compile(fullgraph=True, dynamic=False) of nf4.linear with a bias: eager's bits on two inputs, no graph
+    break. Returns the eager function."""
     from torch._dynamo.utils import counters
 
-    packed, qs = nf4h.quantize((333, 512), dtype, 64, True, seed=nf4h.case_seed("gpu-compile", dtype, m), device=CUDA)
-    bias = lin.randn((333,), dtype, 1, device=CUDA)
+    bias = lin.randn((qs.shape[0],), dtype, 1, device=CUDA)
 
     def fn(x):
         return nf4.linear(x, packed, qs, bias=bias)
@@ -359,10 +365,11 @@ def test_torch_compile_forward(nf4h, lin, dtype, m):
     counters.clear()
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
     for seed in (2, 3):
-        x = lin.randn((m, 512), dtype, seed, device=CUDA)
-        assert_bitexact(compiled(x), fn(x), name=f"compiled vs eager, M={m}")
+        x = lin.randn(x_shape, dtype, seed, device=CUDA)
+        assert_bitexact(compiled(x), fn(x), name=name)
     assert not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
+    return fn
 
 
 @pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
@@ -458,8 +465,6 @@ def test_cuda_graph_capture(nf4h, lin, dtype, m):
 def test_gluon_gemm_compiled_and_graphed(nf4h, lin, dtype):
     """The Gluon GEMM (the table's at M = 96 on 4096 x 4096, sm_90) under torch.compile(fullgraph=True), where it
     runs inside the opaque op, and captured in a CUDA graph: the same bits as eager calls, no graph break."""
-    from torch._dynamo.utils import counters
-
     from nf4.linear import gemm_gluon
 
     if not _hopper() or not gemm_gluon.AVAILABLE:
@@ -467,19 +472,7 @@ def test_gluon_gemm_compiled_and_graphed(nf4h, lin, dtype):
     n, k, m = 4096, 4096, 96
     assert tuned(torch.cuda.get_device_name(), m, n=n, k=k).kernel == "gemm_gluon"
     packed, qs = nf4h.quantize((n, k), dtype, 64, True, seed=nf4h.case_seed("gpu-gluon-compile", dtype), device=CUDA)
-    bias = lin.randn((n,), dtype, 1, device=CUDA)
-
-    def fn(x):
-        return nf4.linear(x, packed, qs, bias=bias)
-
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-    for seed in (2, 3):
-        x = lin.randn((m, k), dtype, seed, device=CUDA)
-        assert_bitexact(compiled(x), fn(x), name="gluon compiled vs eager")
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    torch._dynamo.reset()
+    fn = _compiled_is_eager(lin, packed, qs, (m, k), dtype, "gluon compiled vs eager")
     static_x = lin.randn((m, k), dtype, 8, device=CUDA)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
