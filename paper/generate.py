@@ -54,6 +54,7 @@ from paper.sections import (
     gemm_limit,
     gemv_limit,
     gluon_lab,
+    gluon_route,
     known,
     linear,
     linear_host,
@@ -95,6 +96,7 @@ def run(results: Path, claims_path: Path = CLAIMS) -> Document:
     doc.section("results/linear/gemm_limit_<gpu>.json", gemm_limit.build, gemm_limit.load(doc))
     doc.section("results/labs/gemm_tma_<gpu>.json", gemm_lab.build, gemm_lab.load(doc))
     doc.section("results/labs/gluon_gemm_<gpu>.json", gluon_lab.build, gluon_lab.load(doc))
+    doc.section("results/labs/gluon_rule_judged_<gpu>.json", gluon_route.build, gluon_route.load(doc))
     doc.section("results/linear/bounds/bounds_<gpu>.json", bounds.build, bounds.load(doc))
     doc.section("results/linear/ncu/", ncu.build, ncu.load(doc), ncu.load_sweep(doc))
     doc.section("results/qlora_<gpu>.json", qlora.build, qlora.load(doc))
