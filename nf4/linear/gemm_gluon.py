@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from reference.format import ABSMAX_BLOCKSIZE
+
 from .. import runtime
 from ..device import LOOKUP_ASM
 from ..weight import NF4Weight
@@ -81,7 +83,7 @@ def permute_x(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 if AVAILABLE:
-    ABSMAX_BLOCK = gl.constexpr(256)  # first-level absmax values per second-level scale (double quantization)
+    ABSMAX_BLOCK = gl.constexpr(ABSMAX_BLOCKSIZE)  # first-level absmax values per second-level scale
     SWAP = gl.constexpr(SWAP_PLANES)
 
     def words_layout(warps: int):
@@ -94,7 +96,7 @@ if AVAILABLE:
     @gluon.jit
     def block_absmax(q, blk, ok, absmax2_ptr, code2_ptr, offset, DOUBLE_QUANT: gl.constexpr, MUL: gl.constexpr):
         """The float32 absmax of blocks blk from what was loaded for them (q): with double quantization
-        code2[q] * absmax2[blk // 256] + offset (two roundings, as bitsandbytes), else q itself."""
+        code2[q] * absmax2[blk // ABSMAX_BLOCK] + offset (two roundings, as bitsandbytes), else q itself."""
         if DOUBLE_QUANT:
             level = gl.load(code2_ptr + q.to(gl.int32), mask=ok, other=0.0)
             scale2 = gl.load(absmax2_ptr + blk // ABSMAX_BLOCK, mask=ok, other=0.0)
