@@ -506,6 +506,55 @@ def judge_rule(payload: dict, gpu: str | None = None) -> dict:
             "shapes": len({(k[0], k[1]) for k in groups}), "rows": rows}
 
 
+RULE_LIMITS = (128, 256, 512)  # the rule's rows: M = 65-128, 129-256, 257-512
+FIT_LEAST_MI = (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)  # least N * K tried, in Mi weights
+FIT_RATIO = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)  # least N / K tried
+
+
+def fit_rule(payload: dict, within: tuple | None = None) -> tuple:
+    """The Gluon rule fit on a race or product file's fit subset: for each row of RULE_LIMITS, the (least N * K, least
+    N / K) from the grids that minimises the sum over the row's (shape, M) cells of log(time routed / the table's
+    time), a cell not routed counting 0; None where no pair gains. A race file's routed time is the row's lab kernel
+    (RULE_CANDIDATE of GLUON_GEMM128 up to M = 128, else GLUON_GEMM256), a product file's nf4.linear where it ran the
+    Gluon GEMM. `within`: a rule the fit may only narrow (least N * K and N / K at least its, row by row), for a
+    product file, which timed the Gluon GEMM only where the rule of its commit routed it. Ties go to the smaller
+    pair. Returns rows (largest M, least N * K, least N / K, config name) as tuned.GLUON_RULES holds them."""
+    import math
+
+    from experiments import catalog
+
+    subsets = {(s.n, s.k): s.subset for s in catalog.catalog()}
+    groups: dict = {}
+    for r in payload["rows"]:
+        groups.setdefault((r["N"], r["K"], r["M"], r.get("dtype", "bfloat16")), {})[r["provider"]] = r
+    product = any("nf4.linear_table" in g for g in groups.values())
+    out = []
+    lo = 64
+    for i, limit in enumerate(RULE_LIMITS):
+        name = "GLUON_GEMM128" if limit <= 128 else "GLUON_GEMM256"
+        cells = []
+        for (n, k, m, _), g in groups.items():
+            if not lo < m <= limit or subsets.get((n, k)) != "fit" or k % (2 * STEP):
+                continue
+            gluon, table = (g.get("nf4.linear"), g.get("nf4.linear_table")) if product else (
+                g.get(RULE_CANDIDATE[name]), g.get("nf4.linear"))
+            if (not gluon or not table or not gluon.get("graph_us") or not table.get("graph_us")
+                    or gluon.get("operand_mismatches") != 0 or not gluon.get("random_within_bound")
+                    or (product and gluon.get("config") not in RULE_CANDIDATE)):
+                continue
+            cells.append((n, k, math.log(gluon["graph_us"] / table["graph_us"])))
+        floor_mi, floor_ratio = (within[i][1] / 2**20, within[i][2]) if within else (0, 0.0)
+        best, best_cost = None, 0.0
+        for least in [v for v in FIT_LEAST_MI if v >= floor_mi]:
+            for ratio in [v for v in FIT_RATIO if v >= floor_ratio]:
+                cost = sum(c for n, k, c in cells if n * k >= least * 2**20 and n >= ratio * k)
+                if cost < best_cost - 1e-12:
+                    best, best_cost = (limit, least << 20, ratio, name), cost
+        out.append(best)
+        lo = limit
+    return tuple(out)
+
+
 def rule_table(judged: list[dict]) -> str:
     out = []
     for j in judged:
@@ -588,11 +637,21 @@ def main(argv=None) -> int:
     ap.add_argument("--report-rule", nargs="+", default=None, metavar="JSON",
                     help="judge this commit's Gluon rule on race or product files of one GPU, print it and exit")
     ap.add_argument("--out-report", default=None, metavar="JSON", help="with --report-rule: also write it here")
+    ap.add_argument("--fit-rule", default=None, metavar="JSON",
+                    help="fit the Gluon rule's rows on a race or product file's fit subset, print them and exit")
+    ap.add_argument("--within", default=None, metavar="GPU",
+                    help="with --fit-rule: only narrow tuned.GLUON_RULES[GPU] (a product file timed only its routes)")
     ap.add_argument("--build", nargs="+", default=None, metavar="CANDIDATE",
                     help="offline sm_90 builds of these candidates: print their facts as JSON and exit (no GPU)")
     ap.add_argument("--probe", nargs=3, default=None, metavar=("CANDIDATE", "NxK", "M"),
                     help="one warm-up and one timed launch of a candidate (for ncu -k regex:lab_gluon -s 1 -c 1)")
     args = ap.parse_args(argv)
+    if args.fit_rule:
+        from nf4.linear.tuned import GLUON_RULES
+
+        within = GLUON_RULES[args.within] if args.within else None
+        print(json.dumps(fit_rule(json.loads(Path(args.fit_rule).read_text()), within)))
+        return 0
     if args.report_rule:
         from nf4.linear.tuned import GLUON_RULES
         from verify import timing

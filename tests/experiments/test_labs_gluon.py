@@ -182,3 +182,38 @@ def test_judge_rule_on_race_and_product_files():
     assert (r["dtype"], r["M"], r["routed"], r["faster_than_dense"]) == ("float16", 128, 1, 1)
     assert r["median_over_table"] == pytest.approx(0.5) and r["slower_than_table_3pct"] == 0
     assert "| float16 | 128 |" in gg.rule_table([j])
+
+
+def test_the_tuned_rules_are_what_the_committed_files_fit():
+    """tuned.GLUON_RULES is what `--fit-rule` fits on the committed files: the H100's on its catalog race, the H200's
+    on its product race within the H100's rule (the rule of the commit that timed it)."""
+    from pathlib import Path
+
+    from nf4.linear.tuned import GLUON_RULES
+
+    labs = Path(__file__).resolve().parents[2] / "results" / "labs"
+    race = json.loads((labs / "gluon_race_h100.json").read_text())
+    assert gg.fit_rule(race) == GLUON_RULES["H100"]
+    product = json.loads((labs / "gluon_product_h200.json").read_text())
+    assert gg.fit_rule(product, within=GLUON_RULES["H100"]) == GLUON_RULES["H200"]
+
+
+def test_fit_rule_on_a_planted_race():
+    """A planted race on fit-subset shapes: the kernel gains on every weight of 32Mi or more with N >= K and loses
+    on the rest; the fit finds that row, and None where nothing gains."""
+    from experiments import catalog
+
+    exact = {"operand_mismatches": 0, "random_within_bound": True}
+    fit = [(s.n, s.k) for s in catalog.fit_shapes() if s.k % 128 == 0]
+    rows = []
+    for n, k in fit:
+        gains = n * k >= 32 << 20 and n >= k
+        rows += [_row(n, k, 128, "cublas_dense", 10.0), _row(n, k, 128, "nf4.linear", 10.0),
+                 _row(n, k, 128, "g_m128_w4_a1_sh", 8.0 if gains else 12.0, **exact),
+                 _row(n, k, 256, "cublas_dense", 10.0), _row(n, k, 256, "nf4.linear", 10.0),
+                 _row(n, k, 256, "g_m256_w4_a1_sh", 12.0, **exact)]
+    got = gg.fit_rule({"device": "GPU", "rows": rows})
+    # the smallest grid ratio that routes no loser among the fit shapes of 32Mi or more (ties go to the smaller pair)
+    ratio = min(r for r in gg.FIT_RATIO if not any(n * k >= 32 << 20 and r * k <= n < k for n, k in fit))
+    assert got[0] == (128, 32 << 20, ratio, "GLUON_GEMM128") and got[1] is None and got[2] is None
+    assert ratio <= 1.0

@@ -660,9 +660,9 @@ def test_opaque_dequantize_binds_per_launch_facts_and_rebinds_every_pointer(nf4h
 def test_gluon_rule():
     """tuned.gluon_rule: on the H100, M = 65-128 on weights of 8Mi weights or more take GLUON_GEMM128, M = 129-256 on
     weights of 16Mi or more with N >= K and M = 257-512 on weights of 24Mi or more with N >= 0.75 K GLUON_GEMM256; on
-    the H200 the same rows from 16Mi, 24Mi and 48Mi weights; nothing at M <= 64 or above 512, on other GPUs, or in the
-    backward; with gluon=False, and where the kernel cannot run (tuned.fallback's "table"), the table's choice for the
-    shape without the rule."""
+    the H200 the same rows from 16Mi (and N >= K / 4), 24Mi and 48Mi weights; nothing at M <= 64 or above 512, on
+    other GPUs, or in the backward; with gluon=False, and where the kernel cannot run (tuned.fallback's "table"), the
+    table's choice for the shape without the rule."""
     from nf4.linear.tuned import CONFIGS, fallback, for_shape, gluon_rule, pick, tuned
 
     g128, g256 = CONFIGS["GLUON_GEMM128"], CONFIGS["GLUON_GEMM256"]
@@ -671,7 +671,8 @@ def test_gluon_rule():
         n128, n256, n512 = (int(4096 * s) for s in scale)  # rows that reach each threshold
         for m in (65, 100, 128):
             assert gluon_rule(m, n128 // 2, 4096, gpu) is g128 and gluon_rule(m, n128 // 2 - 1, 4096, gpu) is None, m
-            assert gluon_rule(m, n128 // 4, 8192, gpu) is g128, m  # N < K: no ratio at M <= 128
+            assert gluon_rule(m, n128 // 4, 8192, gpu) is g128, m  # N < K: at least K / 4 on the H200 only
+            assert (gluon_rule(m, 4096, 32768, gpu) is g128) == (gpu != "NVIDIA H200"), m
         for m in (129, 256):
             assert gluon_rule(m, n256, 4096, gpu) is g256 and gluon_rule(m, n256 - 1, 4096, gpu) is None, m
             assert gluon_rule(m, 4096, 14336, gpu) is None and gluon_rule(m, 14336, 4096, gpu) is g256, m
