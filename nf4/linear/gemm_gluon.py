@@ -264,7 +264,6 @@ def runnable(config: LinearConfig, w: NF4Weight, x, m: int) -> bool:
             and aligned(x, 16) and aligned(w.packed, 16))
 
 
-
 def split(config: LinearConfig, w: NF4Weight, m: int, sms: int | None) -> tuple[int, int]:
     """(programs along K, bytes of a row each): config.split_k, or auto (0): the count (at most 16, at least 8 steps
     each) that brings tiles x splits nearest programs_per_sm programs a multiprocessor; whole pairs of steps, every
