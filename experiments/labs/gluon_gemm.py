@@ -459,6 +459,31 @@ RULE_CANDIDATE = {"GLUON_GEMM128": "g_m128_w4_a1_sh", "GLUON_GEMM256": "g_m256_w
 SLOWER = 1.03  # a routed row slower than the table's choice by more than this counts as slower
 
 
+def _rule_cells(payload: dict):
+    """A race or product file grouped for judging or fitting a Gluon rule: ({(N, K, M, dtype): {provider: row}},
+    whether it is a product file, and pair(group, config name) -> (Gluon row, table row), or None where the file has
+    no Gluon time for that cell (a product row measured where its commit's rule did not route)."""
+    groups: dict = {}
+    for r in payload["rows"]:
+        groups.setdefault((r["N"], r["K"], r["M"], r.get("dtype", "bfloat16")), {})[r["provider"]] = r
+    product = any("nf4.linear_table" in g for g in groups.values())
+
+    def pair(g: dict, name: str):
+        gluon, table = (g.get("nf4.linear"), g.get("nf4.linear_table")) if product else (
+            g.get(RULE_CANDIDATE[name]), g.get("nf4.linear"))
+        if not gluon or not table or (product and gluon.get("config") not in RULE_CANDIDATE):
+            return None
+        return gluon, table
+
+    return groups, product, pair
+
+
+def _timed_exact(gluon: dict, table: dict) -> bool:
+    """Both rows timed, and the Gluon row operand-exact and within the float32 bound."""
+    return bool(gluon.get("operand_mismatches") == 0 and gluon.get("random_within_bound") and gluon.get("graph_us")
+                and table.get("graph_us"))
+
+
 def judge_rule(payload: dict, gpu: str | None = None) -> dict:
     """This commit's Gluon rule (nf4.linear.tuned.gluon_rule) judged on a race (`--race`) or product (`--product`)
     file: per source, dtype, M and catalog subset, the (shape, M) rows it routes, and over them the median and worst of
@@ -474,23 +499,18 @@ def judge_rule(payload: dict, gpu: str | None = None) -> dict:
 
     gpu = gpu or payload["device"]
     subsets = {(s.n, s.k): s.subset for s in catalog.catalog()}
-    groups: dict = {}
-    for r in payload["rows"]:
-        groups.setdefault((r["N"], r["K"], r["M"], r.get("dtype", "bfloat16")), {})[r["provider"]] = r
-    product = any("nf4.linear_table" in g for g in groups.values())
+    groups, product, pair = _rule_cells(payload)
     cells: dict = {}
     for (n, k, m, dt), g in sorted(groups.items()):
         rule = gluon_rule(m, n, k, gpu)
         if rule is None or "cublas_dense" not in g or k % (2 * STEP):
             continue  # (rows not whole pairs of steps: the kernel's `runnable` sends them to the table's choice)
-        name = NAMES[rule]
-        gluon, table = (g.get("nf4.linear"), g.get("nf4.linear_table")) if product else (
-            g.get(RULE_CANDIDATE[name]), g.get("nf4.linear"))
-        if not gluon or not table or (product and gluon.get("config") not in RULE_CANDIDATE):
-            continue  # (a product row measured before this rule routed it: not a Gluon time)
-        ok = gluon.get("operand_mismatches") == 0 and gluon.get("random_within_bound") and gluon.get("graph_us")
+        timed = pair(g, NAMES[rule])
+        if timed is None:
+            continue
+        gluon, table = timed
         cell = cells.setdefault((dt, m, subsets.get((n, k), "uncatalogued")), {"ratios": [], "dense": [], "bad": 0})
-        if not ok or not table.get("graph_us"):
+        if not _timed_exact(gluon, table):
             cell["bad"] += 1
             continue
         cell["ratios"].append(gluon["graph_us"] / table["graph_us"])
@@ -524,10 +544,7 @@ def fit_rule(payload: dict, within: tuple | None = None) -> tuple:
     from experiments import catalog
 
     subsets = {(s.n, s.k): s.subset for s in catalog.catalog()}
-    groups: dict = {}
-    for r in payload["rows"]:
-        groups.setdefault((r["N"], r["K"], r["M"], r.get("dtype", "bfloat16")), {})[r["provider"]] = r
-    product = any("nf4.linear_table" in g for g in groups.values())
+    groups, _, pair = _rule_cells(payload)
     out = []
     lo = 64
     for i, limit in enumerate(RULE_LIMITS):
@@ -536,12 +553,10 @@ def fit_rule(payload: dict, within: tuple | None = None) -> tuple:
         for (n, k, m, _), g in groups.items():
             if not lo < m <= limit or subsets.get((n, k)) != "fit" or k % (2 * STEP):
                 continue
-            gluon, table = (g.get("nf4.linear"), g.get("nf4.linear_table")) if product else (
-                g.get(RULE_CANDIDATE[name]), g.get("nf4.linear"))
-            if (not gluon or not table or not gluon.get("graph_us") or not table.get("graph_us")
-                    or gluon.get("operand_mismatches") != 0 or not gluon.get("random_within_bound")
-                    or (product and gluon.get("config") not in RULE_CANDIDATE)):
+            timed = pair(g, name)
+            if timed is None or not _timed_exact(*timed):
                 continue
+            gluon, table = timed
             cells.append((n, k, math.log(gluon["graph_us"] / table["graph_us"])))
         floor_mi, floor_ratio = (within[i][1] / 2**20, within[i][2]) if within else (0, 0.0)
         best, best_cost = None, 0.0
