@@ -3,7 +3,8 @@ each in batches alternating with an empty Triton JIT launch (the yardstick the i
 
 Call forms (the same weight, called again): a Linear4bit module, its Params4bit, the packed tensor + QuantState,
 a fresh view of the packed bytes each call, a packed tensor at a new address each call (the same bytes copied,
-as FSDP hands out), and out= (dequantize). nf4.linear at M = 1 and 16, bf16, with and without autograd recording.
+as FSDP hands out), and out= (dequantize). nf4.linear at M = 1, 16 and 128 (where the tuned table's Gluon rule
+routes this weight on an H100 or H200: the kernel that launches itself), bf16, with and without autograd recording.
 GPU only. Writes JSON with the device, versions, commit and one row per (op, form): host µs, the JIT launch's µs
 in the same batches, and their ratio.
 """
@@ -48,7 +49,7 @@ def forms(layer):
         ("dequantize", "new address", lambda i: nf4.dequantize(copies[i % 4], qs)),
         ("dequantize", "out=", lambda i: nf4.dequantize(packed, qs, out=out)),
     ]
-    for m in (1, 16):
+    for m in (1, 16, 128):
         x = torch.randn(m, SHAPE[1], dtype=torch.bfloat16, device=packed.device)
         xg = x.clone().requires_grad_(True)
         rows += [

@@ -49,6 +49,14 @@ CANDIDATES = {
     "none_fs_xp": ("none", 1, 0, 4, 8),  # _xp: x's loads only in lanes whose x row exists (kernels.mma_pairs_x)
     "prmt_fs_xp": ("prmt", 1, 0, 4, 8),
     "pair16_fs_xp": ("pair", 16, 0, 4, 6),
+    # (d) the split: the first n of a lane's 8 words a row and step by the prmt tree (ALU pipe), the rest by the pair
+    # table (shared memory), so that neither pipe carries every lookup
+    "pair16_p1": ("pair", 16, 1, 4, 6),
+    "pair16_p3": ("pair", 16, 3, 4, 6),
+    "pair16_fs_xp_p1": ("pair", 16, 1, 4, 6),
+    "pair16_fs_xp_p2": ("pair", 16, 2, 4, 6),
+    "pair16_fs_xp_p3": ("pair", 16, 3, 4, 6),
+    "pair16_fs_xp_p4": ("pair", 16, 4, 4, 6),
 }
 DEFAULT_CANDIDATES = ("pair16", "pair16_w8", "pair8", "pair16_p2", "pair16_p4", "level_prmt", "prmt")
 _code = K.levels  # (the name this module's callers used)
