@@ -245,7 +245,8 @@ def permute_x(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(x)
     rows, cols = 8, 512
-    nf4_permute_x_kernel[(triton_cdiv(m, rows), triton_cdiv(k, cols))](x, out, m, k, ROWS=rows, COLS=cols)
+    ncol = triton_cdiv(k, cols)
+    nf4_permute_x_kernel[(triton_cdiv(m, rows) * ncol,)](x, out, m, k, ncol, ROWS=rows, COLS=cols)
     return out
 
 

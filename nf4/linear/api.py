@@ -25,7 +25,7 @@ from .. import runtime
 from ..dequant import dequantize
 from ..weight import NF4Weight, RepeatCache, StateCheck, module_parts, plain, unpack
 from .config import LinearConfig
-from .launch import dense_product, direct, fused, kernel_args, launch_config, run_direct, split_k
+from .launch import bind_direct, dense_product, direct, fused, kernel_args, launch_config, run_direct, split_k
 from .tuned import tuned
 
 X_DTYPES = (torch.float16, torch.bfloat16)
@@ -141,8 +141,15 @@ def run(x, packed, qs, entry: _Entry, bias, *, trans: bool = False, config: Line
         return _dequant_run(x2, packed, qs, bias, trans, ftz).reshape(*lead, n_out)
     split, _ = split_k(config, w, m, x.device)
     part = torch.empty(split * m * n_out, dtype=torch.float32, device=x.device) if split > 1 else None
-    if direct(config):  # a kernel that launches itself: no bound launch, the full path every call
-        return run_direct(x2, w, bias, out, m, config, ftz, part).reshape(*lead, n_out)
+    if direct(config):  # a kernel that launches itself: it binds its own launches (`bind_direct`)
+        if plan is None or not (config.plan and not runtime.hooks_active() and _aligned_ptrs(x2, packed, bias)):
+            if plan is None and config.plan:
+                entry.launches[key] = 0  # seen once: bound on the second call
+            return run_direct(x2, w, bias, out, m, config, ftz, part).reshape(*lead, n_out)
+        bound = bind_direct(x2, w, bias, out, m, config, ftz, part)
+        if bound is not None:
+            entry.launches[key] = bound
+        return out.reshape(*lead, n_out)
     launches = kernel_args(x2, w, bias, out, m, config, ftz, runtime.interpreting(x.device), part)
     compiled = [runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
                 for fn, grid, args, options in launches]
@@ -171,7 +178,10 @@ def _aligned_ptrs(x, packed, bias) -> bool:
 
 
 def _run_plan(plan, x2, packed, bias, m: int, device_index: int, out) -> torch.Tensor:
-    """The bound launches of a key (`entry.launches`) on x2 (contiguous, m rows) into `out`."""
+    """The bound launches of a key (`entry.launches`) on x2 (contiguous, m rows) into `out`: a kernel's own bound
+    call (`bind_direct`), or (main, finish, split partials' numel)."""
+    if plan.__class__ is not tuple:
+        return plan(x2, packed, bias, out)
     main, finish, part_numel = plan
     stream = runtime.raw_stream(device_index)
     if finish is None:

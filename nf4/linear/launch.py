@@ -127,15 +127,26 @@ def direct(config: LinearConfig) -> bool:
     return hasattr(KERNELS.get(config.kernel), "run")
 
 
-def run_direct(x, w: NF4Weight, bias, out, m: int, config: LinearConfig, ftz: bool, part=None) -> torch.Tensor:
-    """One fused forward product by a kernel that launches itself (`direct`), with a runnable config, into out."""
+def _direct_call(x, w: NF4Weight, bias, out, m: int, config: LinearConfig, ftz: bool, part) -> Call:
     device = w.packed.device
     code = runtime.level_table(device, pairs=level_pairs(config))
     dummy = runtime.stand_in(device)
     args = base_args(x, w, bias, out, m, config, ftz, False, code, dummy)
-    KERNELS[config.kernel].run(Call(x, w, bias, out, m, config, ftz, False, part, code, dummy, args,
-                                    gpu_sms(x.device)))
+    return Call(x, w, bias, out, m, config, ftz, False, part, code, dummy, args, gpu_sms(x.device))
+
+
+def run_direct(x, w: NF4Weight, bias, out, m: int, config: LinearConfig, ftz: bool, part=None) -> torch.Tensor:
+    """One fused forward product by a kernel that launches itself (`direct`), with a runnable config, into out."""
+    KERNELS[config.kernel].run(_direct_call(x, w, bias, out, m, config, ftz, part))
     return out
+
+
+def bind_direct(x, w: NF4Weight, bias, out, m: int, config: LinearConfig, ftz: bool, part=None):
+    """`run_direct`, returning the kernel's launches bound for repeat calls (its `bind(call)`: a callable
+    `(x, packed, bias, out) -> out`), or None where the kernel binds nothing."""
+    kernel = KERNELS[config.kernel]
+    call = _direct_call(x, w, bias, out, m, config, ftz, part)
+    return kernel.bind(call) if hasattr(kernel, "bind") else kernel.run(call)
 
 
 def dense_product(x, wt, bias, trans: bool) -> torch.Tensor:

@@ -9,6 +9,7 @@ import importlib
 import numpy as np
 import pytest
 import torch
+import triton
 
 from experiments.labs import fragment
 from nf4.linear import LinearConfig
@@ -75,3 +76,73 @@ def test_quarter_tables_cover_the_dtypes():
             assert text.count(mul.strip()) == 4 and text.count(f"cvt.rn.{dt}x2.f32") == 2
             assert ("ftz" in text) == ftz
     assert np.array_equal(np.sort(fragment.perm()), np.arange(64))
+
+
+class _Recorder:
+    """Stands in for a compiled kernel, a launch function and a bound launch: records each call's arguments."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __call__(self, *args, **kwargs):
+        self.log.append((self.name, args, kwargs))
+        return self
+
+
+@pytest.mark.parametrize("split_k, bias", [(1, False), (1, True), (3, False), (3, True)])
+def test_bound_launch_places_each_call_s_tensors(monkeypatch, split_k, bias):
+    """The repeat call's bound launches (`bind`) pass what the first call's JIT launch passed, with this call's
+    gathered x (a new descriptor), the weight's descriptor remade for a packed tensor at a new address, this call's
+    out (or float32 partials and the split sum into out) and bias: Triton's launches stood in for, on the CPU."""
+    log: list = []
+    kernel = gg.nf4_gemm_gluon_kernel
+
+    class _Grid:  # kernel[grid](*args, **options)
+        arg_names = kernel.arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: _Recorder("jit", log)(grid, *args, **kw)
+
+    monkeypatch.setattr(gg, "nf4_gemm_gluon_kernel", _Grid())
+    monkeypatch.setattr(gg.runtime, "launch", lambda fn, grid, args, **kw: _Recorder(fn.__name__, log)(grid, args))
+    monkeypatch.setattr(gg.runtime, "launch_head", lambda compiled: (_Recorder("gemm", log), ("HEAD",)))
+    monkeypatch.setattr(gg.runtime, "bind", lambda c, fn, grid, args, rebind: _Recorder(f"bound {fn.__name__}", log))
+    monkeypatch.setattr(gg.runtime, "raw_stream", lambda index: 7)
+    n, k, m = 512, 1280, 77
+    w = _weight(n, k)
+    config = CONFIGS["GLUON_GEMM128"].with_(split_k=split_k)
+    x = torch.randn((m, k)).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    part = torch.empty(split_k * m * n) if split_k > 1 else None
+    call = linear_launch._direct_call(x, w, b, out, m, config, True, part)
+    bound = gg.bind(call)
+    names = list(kernel.arg_names)
+    first = next(args for name, args, _ in log if name == "jit")
+    grid, given = first[0], first[1:]
+    assert [p for p in names if p != "num_warps"] == names[:len(given)]
+    assert grid == (triton.cdiv(n, 16 * config.num_warps), 1, split_k) == bound.grid
+    log.clear()
+    x2, out2 = torch.randn((m, k)).to(torch.bfloat16), torch.empty((m, n), dtype=torch.bfloat16)
+    b2 = torch.randn(n).to(torch.bfloat16) if bias else None
+    packed2 = w.packed.clone()  # the same bytes at a new address
+    assert bound(x2, packed2, b2, out2) is out2
+    calls = {name: args for name, args, _ in log}
+    xp_ptr = calls["bound nf4_permute_x_kernel"][1:]
+    assert calls["bound nf4_permute_x_kernel"][0] == 7 and xp_ptr[0] == x2.data_ptr()
+    launched = calls["gemm"]
+    assert launched[:5] == (*grid, 7, "HEAD")
+    values = dict(zip(names, launched[5:], strict=True))
+    assert values["x_desc"].base.data_ptr() == xp_ptr[1] and list(values["x_desc"].block_shape) == [128, 64]
+    assert values["w_desc"].base.data_ptr() == packed2.data_ptr() and list(values["w_desc"].shape) == [n, k // 8]
+    for p, v in zip(names[2:len(given)], given[2:], strict=True):  # everything else as the first launch had it
+        if p not in ("out_ptr", "bias_ptr"):
+            assert values[p] == (v.data_ptr() if isinstance(v, torch.Tensor) else v), p
+    if bias:
+        assert values["bias_ptr"] == b2.data_ptr()
+    if split_k == 1:
+        assert values["out_ptr"] == out2.data_ptr() and "bound nf4_split_sum_kernel" not in calls
+    else:
+        summed = calls["bound nf4_split_sum_kernel"]
+        assert summed[0] == 7 and summed[1] == values["out_ptr"] != out2.data_ptr() and summed[2] == out2.data_ptr()
+        assert summed[3:] == ((b2.data_ptr(),) if bias else ())

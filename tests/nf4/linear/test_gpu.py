@@ -461,6 +461,39 @@ def test_cuda_graph_capture(nf4h, lin, dtype, m):
         assert_bitexact(static_y, nf4.linear(x, packed, qs, bias=bias), name=f"graph replay, input {seed}")
 
 
+def test_gluon_gemm_repeat_calls_are_bound(nf4h, lin):
+    """From the second call of a key nf4.linear runs the Gluon GEMM through its bound launches (gemm_gluon.Bound in
+    the repeat-call cache, no JIT dispatch): each call's x, bias and out, the packed bytes copied to new addresses
+    (the weight's descriptor remade), split-K (auto at M = 100 on 4096 x 4096) and not (M = 300); every call's
+    result is the operand's bits on identity rows (with a bias: scale * w + bias rounded once)."""
+    from nf4.linear import api as linear_api
+    from nf4.linear import gemm_gluon
+
+    if not _hopper() or not gemm_gluon.AVAILABLE:
+        pytest.skip("the Gluon GEMM runs on sm_90 with Triton's Gluon API")
+    dtype, (n, k) = torch.bfloat16, (4096, 4096)
+    seed = nf4h.case_seed("gpu-gluon-bound")
+    packed, qs = nf4h.quantize((n, k), dtype, 64, True, seed=seed, device=CUDA)
+    copies = [packed, packed.clone(), packed.clone()]
+    wd = lin.operand(packed, qs, dtype)
+    perm = lin.permutation(k, seed)
+    x, scales = lin.identity_rows(perm, dtype, k, seed + 1, device=CUDA)
+    bias = lin.randn((n,), dtype, seed + 2, device=CUDA)
+    entry = linear_api.entry_of(packed, qs)
+    for name in ("gluon-M100", "gluon-M300"):
+        m, config = FORWARD[name]
+        for b in (None, bias):
+            for i in range(4):
+                rows = slice(i * m, (i + 1) * m)
+                got = nf4.linear(x[rows].clone(), copies[i % 3], qs, bias=b, config=config)
+                want = lin.picked(wd.t(), perm[rows], scales[rows], torch.float32)
+                want = (want + b.float() if b is not None else want).to(dtype)
+                assert_bitexact(got, want, name=f"{name} bias={b is not None} call {i}")
+            plan = entry.launches.get((m, dtype, b is not None, False, config, True))
+            assert isinstance(plan, gemm_gluon.Bound), (name, plan)
+            assert (plan.finish is not None) == (name == "gluon-M100")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gluon_gemm_compiled_and_graphed(nf4h, lin, dtype):
     """The Gluon GEMM (the table's at M = 96 on 4096 x 4096, sm_90) under torch.compile(fullgraph=True), where it
