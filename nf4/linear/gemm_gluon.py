@@ -10,6 +10,9 @@ shared operand, STAGES deep through TMA; two steps an iteration, so one wgmma st
 decodes into other registers. Split-K (float32 partials summed in order by nf4_split_sum_kernel) where tiles do not
 fill the GPU. Measured in experiments/labs/gluon_gemm.py (the candidates g_m128_w4_a1_sh, g_m256_w4_a1_sh).
 
+It launches itself (`run`); `bind` also returns the launches bound for nf4.linear's repeat calls (`Bound`): Triton's
+JIT dispatch and the descriptors' layouts cost a few hundred microseconds of host time a call on the GPU machines.
+
 Exactness: every operand is round_DT(mul.rn[.ftz].f32(NF4[nibble], absmax)), the dequantized weight; the sum is
 float32. GPU only (Gluon has no interpreter): `runnable` is False off an sm_90 GPU or where this Triton has no
 Gluon Hopper API, and the call takes the table's other kernels.

@@ -29,6 +29,12 @@ BULK = (("nf4.linear", "nf4.linear", "Product"), ("t_stream4x2", "TMA stream", "
         ("pair16_fs_xp", "first, pair table", "FirstPair"), ("sc_w4", "scaled contract", "Scaled"))
 LAB = (("nf4.linear", "nf4.linear"), ("none_fs", "control, no decode"), ("prmt", "prmt table"),
        ("pair16_fs", "pair table"), ("d_none", "deep control"), ("d_pair16", "deep pair"))
+# the lookups split between the ALU pipe and shared memory (results/labs/gemv_split_<gpu>.json): the first skeleton
+# with whole-sector loads and x in the lanes of real rows, the first n of a lane's 8 words by prmt
+SPLIT = (("nf4.linear", "nf4.linear"), ("none_fs_xp", "control, no decode"), ("prmt_fs_xp", "prmt, 8 of 8"),
+         ("pair16_fs_xp_p3", "prmt 3, pair 5"), ("pair16_fs_xp_p2", "prmt 2, pair 6"),
+         ("pair16_fs_xp_p1", "prmt 1, pair 7"), ("pair16_fs_xp", "pair, 8 of 8"))
+SPLIT_BEST = "pair16_fs_xp_p2"
 
 
 def load(doc: Document) -> dict:
@@ -36,7 +42,8 @@ def load(doc: Document) -> dict:
     out = {"dequant": {}, "lab": {}, "sass": None, "linear": {},
            "race": load_present(doc, "labs/config_race_judged_{tag}.json",
                                 "experiments.labs.config_race --report --current", "config race paragraph"),
-           "bulk": load_present(doc, "labs/gemv_bulk_{tag}.json", "experiments.labs.gemv_lut", "bulk lab table")}
+           "bulk": load_present(doc, "labs/gemv_bulk_{tag}.json", "experiments.labs.gemv_lut", "bulk lab table"),
+           "split": load_present(doc, "labs/gemv_split_{tag}.json", "experiments.labs.gemv_lut", "split lab table")}
     if (doc.results / "labs/sass_sm90.json").exists():  # offline builds: no GPU, one file
         payload = doc.load("labs/sass_sm90.json", label="experiments.labs.sass_count", required_for="SASS table")
         out["sass"] = payload if isinstance(payload, dict) else None
@@ -95,7 +102,9 @@ def build(doc: Document, data: dict) -> None:
     _table(doc, sums)
     _figure(doc, dequant)
     _linear_bars(doc, data.get("linear") or {})
-    _lab(doc, data.get("lab") or {})
+    _lab(doc, data.get("lab") or {}, LAB, "gemv_skeletons")
+    _lab(doc, data.get("split") or {}, SPLIT, "gemv_split")
+    _split(doc, data.get("split") or {})
     _bulk(doc, data.get("bulk") or {})
     _sass(doc, data.get("sass"))
     _race(doc, data.get("race") or {})
@@ -216,12 +225,14 @@ def _figure(doc: Document, dequant: dict) -> None:
     doc.write("fig_catalog_dequant.tex", "\n".join(body) + "\n")
 
 
-def _lab(doc: Document, lab: dict) -> None:
+def _lab(doc: Document, lab: dict, columns: tuple, stem: str) -> None:
+    """Table <stem>_table.tex from results/labs/<stem>_<gpu>.json: each provider's time at M = 1 over the same
+    run's cuBLAS GEMV on as many bf16 bytes, per GPU and weight."""
     if not lab:
-        doc.write("gemv_skeletons_table.tex", missing_box(r"results/labs/gemv\_skeletons\_<gpu>.json"))
+        doc.write(f"{stem}_table.tex", missing_box(rf"results/labs/{tex(stem)}\_<gpu>.json"))
         return
-    shown = [(key, head) for key, head in LAB if any(r.get("provider") == key for p in lab.values()
-                                                     for r in p.get("rows") or [])]
+    shown = [(key, head) for key, head in columns if any(r.get("provider") == key for p in lab.values()
+                                                         for r in p.get("rows") or [])]
     lines = [r"\begin{tabular}{ll" + "r" * (len(shown) + 1) + "}", r"\toprule",
              row(["GPU", r"$N \times K$", r"same bytes (\textmu s)", *[tex(h) for _, h in shown]]), r"\midrule"]
     for tag, _, label in GPUS:
@@ -238,7 +249,29 @@ def _lab(doc: Document, lab: dict) -> None:
                 cells.append(ratio(us / base) if us and base else NM)
             lines.append(row([label, rf"{n}$\times${k}", f"{base:.1f}" if base else NM, *cells]))
     lines += [r"\bottomrule", r"\end{tabular}"]
-    doc.write("gemv_skeletons_table.tex", "\n".join(lines) + "\n")
+    doc.write(f"{stem}_table.tex", "\n".join(lines) + "\n")
+
+
+def split_ratios(payload: dict, key: str = SPLIT_BEST) -> dict:
+    """{(N, K): the provider's time over nf4.linear's} at M = 1, where both ran and the provider was exact."""
+    here: dict = {}
+    for r in payload.get("rows") or []:
+        if isinstance(r, dict) and r.get("M") == 1 and r.get("graph_us"):
+            here.setdefault((r["N"], r["K"]), {})[r["provider"]] = r
+    return {nk: v[key]["graph_us"] / v["nf4.linear"]["graph_us"] for nk, v in here.items()
+            if key in v and "nf4.linear" in v and v[key].get("operand_mismatches") == 0}
+
+
+def _split(doc: Document, split: dict) -> None:
+    """Macros: the best split candidate's time over nf4.linear's on weights of 16 Mi or more (min, max) and on every
+    weight timed (how many it beats), per GPU."""
+    for tag, g, _ in GPUS:
+        ratios = split_ratios(split[tag]) if tag in split else {}
+        big = [v for (n, k), v in ratios.items() if n * k >= BIG]
+        doc.macro(f"NFsplitBigMin{g}", ratio(min(big)) if big else NM)
+        doc.macro(f"NFsplitBigMax{g}", ratio(max(big)) if big else NM)
+        doc.macro(f"NFsplitFaster{g}", integer(sum(v < 1 for v in ratios.values())) if ratios else NM)
+        doc.macro(f"NFsplitShapes{g}", integer(len(ratios)) if ratios else NM)
 
 
 def bulk_ratios(payload: dict) -> dict:
@@ -287,7 +320,9 @@ def _bulk(doc: Document, bulk: dict) -> None:
 SASS = (("baseline", "nf4.linear's GEMV (prmt table)"), ("gemv_pair", "product pair table"),
         ("s_none", "control, second skeleton"), ("b_none", "control, bulk copies"),
         ("t_none8", "control, tensor copies"), ("prmt", "prmt table"), ("pair16", "pair table (fp32, 16 copies)"),
-        ("pair16_p4", "pair table, half by prmt"), ("level_prmt", "16-level table, prmt address"),
+        ("pair16_p1", "pair table, 1 of 8 words by prmt"), ("pair16_p2", "pair table, 2 of 8 by prmt"),
+        ("pair16_p3", "pair table, 3 of 8 by prmt"), ("pair16_p4", "pair table, half by prmt"),
+        ("level_prmt", "16-level table, prmt address"),
         ("t_prmt8", "prmt, tensor copies"), ("scaled", "scaled contract: level pairs"))
 
 
@@ -297,7 +332,7 @@ SASS_BUDGET = 1.25  # issue 34's decode budget: instructions per weight on any o
 def _sass(doc: Document, payload) -> None:
     doc.macro("NFsassBudget", ratio(SASS_BUDGET))
     rows = {r.get("build"): r for r in (payload or {}).get("builds") or [] if isinstance(r, dict) and "error" not in r}
-    for build, stem in (("prmt", "Prmt"), ("pair16", "Pair"), ("scaled", "Scaled")):
+    for build, stem in (("prmt", "Prmt"), ("pair16", "Pair"), ("scaled", "Scaled"), ("pair16_p2", "PairPTwo")):
         p = (rows.get(build) or {}).get("per_weight") or {}
         doc.macro(f"NFsass{stem}Alu", ratio(p.get("alu")) if p else NM)
         doc.macro(f"NFsass{stem}Imad", ratio(p.get("imad")) if p else NM)
