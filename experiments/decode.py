@@ -2,6 +2,7 @@
 
     python -m experiments decode --out results/decode/decode_h100.json
     python -m experiments decode --models llama3-8b --batches 1,8 --compiled off --tokens 32 --budget-s 600
+    python -m experiments decode merge results/decode/decode_h200.json old.json new.json  # one device's runs, one file
 
 Needs a CUDA GPU, transformers and bitsandbytes (exit code 2 and no file without them). Nothing comes from the hub.
 
@@ -52,10 +53,12 @@ import argparse
 import contextlib
 import importlib.util
 import inspect
+import json
 import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 MODELS = {  # key -> (catalog family, size, transformers config class, its real vocabulary, config extras)
     "llama3-8b": ("Llama 3.1", "8B", "LlamaConfig", 128256, {"rope_theta": 500000.0, "rms_norm_eps": 1e-5}),
@@ -470,6 +473,60 @@ def top_kernels(kernels, count: int = 0) -> list:
     return [[name[:120], round(t, 1)] for name, t in ranked[:count or TOP_KERNELS]]
 
 
+# --- merging runs ----------------------------------------------------------------------------------
+
+RUN_KEY = ("model", "layers", "batch", "mode", "compiled", "phase", "prompt_tokens")
+
+
+def merge(payloads: list[dict], names: list[str] | None = None) -> dict:
+    """One device's decode runs as one file: the rows of every run, a later run's row replacing an earlier one of
+    the same (model, layers, batch, mode, compiled, phase, prompt length); each row carries its run's commit, and
+    `runs` lists each run (file, commit, date, what it was asked to run, rows, why it stopped). The newest run's
+    environment and config head the file. ValueError for runs of different devices or a row without its keys."""
+    if not payloads:
+        raise ValueError("merge needs at least one run")
+    devices = {p.get("device") for p in payloads}
+    if len(devices) != 1:
+        raise ValueError(f"runs of different devices cannot be merged: {sorted(map(str, devices))}")
+    names = names or [f"run {i}" for i in range(len(payloads))]
+    rows: dict = {}
+    runs = []
+    for name, p in zip(names, payloads, strict=True):
+        for part in p.get("runs") or [{"file": name, "commit": (p.get("environment") or {}).get("commit"),
+                                       "date_utc": (p.get("environment") or {}).get("date_utc"),
+                                       "asked": {k: (p.get("config") or {}).get(k) for k in
+                                                 ("batches", "modes", "compiled", "prefill", "tokens", "reps")},
+                                       "rows": len(p.get("rows") or []), "stopped": p.get("stopped")}]:
+            runs.append(part)
+        commit = (p.get("environment") or {}).get("commit")
+        for r in p.get("rows") or []:
+            missing = [k for k in ROW_KEYS if k not in r]
+            if missing:
+                raise ValueError(f"{name}: a row lacks {missing}")
+            r = {"commit": commit, **r}
+            rows[tuple(r.get(k) for k in RUN_KEY)] = r
+    newest = payloads[-1]
+    return {"device": newest.get("device"), "environment": newest.get("environment"), "config": newest.get("config"),
+            "runs": runs, "rows": list(rows.values()), "stopped": None}
+
+
+def merge_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments decode merge",
+                                 description="join decode runs of one device into one file (`merge`)")
+    ap.add_argument("out")
+    ap.add_argument("inputs", nargs="+")
+    args = ap.parse_args(argv)
+    try:
+        payloads = [json.loads(Path(f).read_text()) for f in args.inputs]
+        merged = merge(payloads, list(args.inputs))
+    except (OSError, ValueError) as exc:
+        print(f"decode merge: {exc}", file=sys.stderr)
+        return 2
+    save(args.out, merged)
+    print(f"wrote {args.out} ({len(merged['rows'])} rows from {len(payloads)} runs)")
+    return 0
+
+
 # --- the command ----------------------------------------------------------------------------------
 
 
@@ -512,6 +569,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
     args = parse_args(argv)
     import torch
 

@@ -269,3 +269,33 @@ def test_importable_without_transformers():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "4", proc.stderr
+
+
+def test_merge(tmp_path):
+    """Runs of one device join: a later run's row replaces the same (model, layers, batch, mode, compiled, phase,
+    prompt length); rows keep their run's commit; `runs` lists each; other devices or keyless rows refuse."""
+    old = {"device": "NVIDIA H200", "environment": {"commit": "aaa"}, "config": {"batches": [1]}, "stopped": None,
+           "rows": [_row(batch=1), _row(batch=1, phase="prefill", prompt_tokens=512),
+                    _row(batch=1, phase="prefill", prompt_tokens=2048), _row(batch=8, ms_per_token=9.0)]}
+    new = {"device": "NVIDIA H200", "environment": {"commit": "bbb"}, "config": {"batches": [8, 32]},
+           "stopped": "--budget-s 480 spent", "rows": [_row(batch=8, ms_per_token=7.0), _row(batch=32)]}
+    merged = decode.merge([old, new], ["old.json", "new.json"])
+    assert len(merged["rows"]) == 5 and merged["config"] == {"batches": [8, 32]}
+    by = {(r["batch"], r["phase"], r.get("prompt_tokens")): r for r in merged["rows"]}
+    assert by[(8, "decode", None)]["ms_per_token"] == 7.0 and by[(8, "decode", None)]["commit"] == "bbb"
+    assert by[(1, "prefill", 2048)]["commit"] == "aaa" and (1, "prefill", 512) in by
+    assert [r["file"] for r in merged["runs"]] == ["old.json", "new.json"]
+    assert merged["runs"][1]["stopped"] == "--budget-s 480 spent" and merged["runs"][0]["rows"] == 4
+    again = decode.merge([merged, {**new, "environment": {"commit": "ccc"}}], ["merged", "third"])
+    assert [r["commit"] for r in again["runs"]] == ["aaa", "bbb", "ccc"]  # a merged file's runs carry over
+    with pytest.raises(ValueError, match="devices"):
+        decode.merge([old, {**new, "device": "NVIDIA H100 80GB HBM3"}])
+    with pytest.raises(ValueError, match="lacks"):
+        decode.merge([{"device": "x", "rows": [{"model": "m"}]}])
+    paths = []
+    for name, p in (("old.json", old), ("new.json", new)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(p))
+    assert decode.main(["merge", str(tmp_path / "out.json"), *map(str, paths)]) == 0
+    assert len(json.loads((tmp_path / "out.json").read_text())["rows"]) == 5
+    assert decode.main(["merge", str(tmp_path / "x.json"), str(tmp_path / "missing.json")]) == 2
