@@ -18,6 +18,7 @@ MODES = (("dense", "dense bf16"), ("bnb", "bitsandbytes alone"), ("nf4", r"nf4 p
          ("nf4-fused", r"nf4, \code{fused\_linear}"))
 MODELS = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B"}
 BAR = 2.0  # the compiled decode's bar at batch 1, over dense bf16 and over bitsandbytes alone
+BAR_BATCH8 = 1.5  # issue 34's bar at batch 8, over dense bf16
 
 
 def load(doc: Document) -> dict:
@@ -101,6 +102,7 @@ def build(doc: Document, data: dict | None) -> None:
     data = dict(data or {})
     short = data.pop("short", None) or {}
     doc.macro("NFdecodeBar", ratio(BAR))
+    doc.macro("NFdecodeBarBatchEight", ratio(BAR_BATCH8))
     for tag, g, _ in GPUS:
         p = short.get(tag) or {}
         pre = prefill(p)
@@ -130,6 +132,12 @@ def build(doc: Document, data: dict | None) -> None:
         doc.macro(f"NFdecodeFusedLinearShare{g}", pct(100 * fused["linear_share"]) if fused and fused["linear_share"]
                   else NM)
         doc.macro(f"NFdecodeLayers{g}", str(fused["layers"]) if fused else NM)
+        for batch, word in ((8, "Eight"), (32, "ThirtyTwo")):  # the batch bars: compiled, fused mode
+            at = next((s for s in sums.get(tag) or [] if s["mode"] == "nf4-fused" and s["batch"] == batch), None)
+            doc.macro(f"NFdecodeFusedVsDenseB{word}{g}", ratio(at["vs_dense"]) if at and at["vs_dense"] else NM)
+            doc.macro(f"NFdecodeFusedVsBnbB{word}{g}", ratio(at["vs_bnb"]) if at and at["vs_bnb"] else NM)
+            doc.macro(f"NFdecodeFusedLinearShareB{word}{g}",
+                      pct(100 * at["linear_share"]) if at and at["linear_share"] else NM)
     if not sums:
         doc.write("decode_table.tex", missing_box(r"results/decode/decode\_<gpu>.json (\texttt{python -m experiments "
                                                   r"decode} on a GPU)"))
