@@ -382,13 +382,18 @@ class Bound:
     split sum, without Triton's JIT dispatch. The weight's descriptor is remade when the packed tensor moves."""
 
     __slots__ = ("bm", "device_index", "finish", "grid", "head", "k", "launch", "n", "part_numel", "permute", "slots",
-                 "values", "w_layout", "warps", "wdesc", "x_layout", "x_shape")
+                 "state_slots", "values", "w_layout", "warps", "wdesc", "x_layout", "x_shape")
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias, out: torch.Tensor, *state) -> torch.Tensor:
+        """state: the weight's absmax, absmax2, code2 and offset tensors where they are not the bound ones (the
+        opaque op's plans, shared by weights of the same launch facts); None keeps a bound one."""
         stream = runtime.raw_stream(self.device_index)
         xp = torch.empty_like(x)
         self.permute(stream, x.data_ptr(), xp.data_ptr())
         values = list(self.values)
+        for i, t in zip(self.state_slots, state, strict=False):
+            if t is not None:
+                values[i] = t.data_ptr()
         ix, iw, iout, ibias = self.slots
         values[ix] = TensorDescriptor(xp, self.x_shape, [self.k, 1], [self.bm, 64], self.x_layout)
         wdesc = self.wdesc
@@ -429,6 +434,7 @@ def bind(call: Call) -> Bound | None:
     names = list(nf4_gemm_gluon_kernel.arg_names)
     bound.values = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in (args[p] for p in names))
     bound.slots = tuple(names.index(p) for p in ("x_desc", "w_desc", "out_ptr", "bias_ptr"))
+    bound.state_slots = tuple(names.index(p) for p in ("absmax_ptr", "absmax2_ptr", "code2_ptr", "offset_ptr"))
     bound.x_shape, bound.bm, bound.n, bound.k, bound.warps = [call.m, k], config.block_m, n, k, config.num_warps
     bound.x_layout, bound.w_layout, _ = layouts(config.block_m, config.num_warps, x.dtype)
     bound.wdesc = (w.packed.data_ptr(), args["w_desc"])

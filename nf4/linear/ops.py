@@ -19,7 +19,7 @@ from .. import runtime
 from ..dequant.launch import launch as dequant_launch
 from ..traced import traced_tables
 from ..weight import NF4Weight
-from .launch import dense_product, direct, kernel_args, launch_config, level_pairs, run_direct, split_k
+from .launch import bind_direct, dense_product, direct, kernel_args, launch_config, level_pairs, run_direct, split_k
 from .tuned import tuned
 
 
@@ -30,8 +30,9 @@ def _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype) ->
 # The opaque op's dequantize launches, bound once per set of launch facts (`_plan_key`) with every tensor pointer
 # rebound on each call: a compiled graph hands the op its packed weight as an alias made anew for every call (and
 # the state's tensors as they are), so no launch is kept by tensor identity; what the compiled kernel depends on
-# (sizes, dtypes, blocksize, flags, each pointer's 16-byte alignment, which Triton specialises on) is the key.
-_PLANS: dict[tuple, runtime.Bound] = {}
+# (sizes, dtypes, blocksize, flags, each pointer's 16-byte alignment, which Triton specialises on) is the key. The
+# opaque linear keeps a self-launching kernel's bound launches (gemm_gluon.Bound) here the same way (`_direct_key`).
+_PLANS: dict[tuple, object] = {}
 _PLANS_LIMIT = 4096
 _NESTED_SLOTS = ("packed_ptr", "absmax_ptr", "absmax2_ptr", "code2_ptr", "offset_ptr", "out_ptr")
 _PLAIN_SLOTS = ("packed_ptr", "absmax_ptr", "out_ptr")
@@ -42,6 +43,17 @@ def _plan_key(parts: tuple, wt: torch.Tensor, n: int, k: int, blocksize: int, ft
     absmax2, code2, offset; wt the output)."""
     return (wt.device.index, n, k, blocksize, wt.dtype, ftz,
             *((t.dtype, t.numel(), t.data_ptr() % 16) for t in parts), wt.data_ptr() % 16)
+
+
+def _direct_key(x, packed, state: tuple, bias, n: int, k: int, blocksize: int, w_dtype, ftz: bool) -> tuple:
+    """What the table's choice and a self-launching kernel's bound launches (`launch.bind_direct`) depend on in the
+    opaque op besides the pointers they rebind: the GPU, the shapes and dtypes, ftz, the bias, and the 16-byte
+    alignment of x, the packed bytes, the bias and the state's tensors (absmax, absmax2, code2, offset; None where
+    not nested), which Triton specialises on."""
+    return ("direct", x.device.index, x.shape, x.dtype, x.data_ptr() % 16, packed.dtype, packed.numel(),
+            packed.data_ptr() % 16, n, k, blocksize, w_dtype, ftz,
+            None if bias is None else (bias.dtype, bias.data_ptr() % 16),
+            *(None if t is None else (t.dtype, t.data_ptr() % 16) for t in state))
 
 
 def _bindable(device: torch.device) -> bool:
@@ -91,8 +103,13 @@ def _linear_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, 
     """The forward's fused launches as eager runs them (nf4.runtime), as one opaque op: what the triton_op takes in
     Triton's interpreter, where `wrap_triton` cannot trace (the kernels are InterpretedFunctions, which would run on
     torch.compile's FakeTensors), and for a kernel that launches itself (`direct`: the Gluon GEMM)."""
-    w = _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype)
     m = x.shape[0]
+    state = (absmax, absmax2, code2, offset)
+    key = _direct_key(x, packed, state, bias, n, k, blocksize, w_dtype, ftz) if _bindable(x.device) else None
+    bound = _PLANS.get(key) if key is not None else None
+    if bound is not None and not runtime.hooks_active():  # a kernel's own bound launches, the state rebound
+        return bound(x, packed, bias, torch.empty((m, n), dtype=x.dtype, device=x.device), *state)
+    w = _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype)
     config = launch_config(tuned(runtime.device_name(x.device), m, False, n=n, k=k), w, x, m, False)
     if config.kernel == "dequant":
         return _dequantize_matmul_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype,
@@ -101,7 +118,14 @@ def _linear_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, 
     split, _ = split_k(config, w, m, x.device)
     part = torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else None
     if direct(config):
-        return run_direct(x, w, bias, out, m, config, ftz, part)
+        if key is None or runtime.hooks_active() or not x.is_contiguous():
+            return run_direct(x, w, bias, out, m, config, ftz, part)
+        bound = bind_direct(x, w, bias, out, m, config, ftz, part)
+        if bound is not None:
+            if len(_PLANS) >= _PLANS_LIMIT:
+                _PLANS.clear()
+            _PLANS[key] = bound
+        return out
     for fn, grid, args, options in kernel_args(x, w, bias, out, m, config, ftz, runtime.interpreting(x.device), part):
         runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
     return out

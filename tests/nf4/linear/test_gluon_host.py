@@ -140,6 +140,13 @@ def test_bound_launch_places_each_call_s_tensors(monkeypatch, split_k, bias):
             assert values[p] == (v.data_ptr() if isinstance(v, torch.Tensor) else v), p
     if bias:
         assert values["bias_ptr"] == b2.data_ptr()
+    log.clear()  # the opaque op's form: the state's tensors rebound too (None keeps the bound one)
+    absmax2, offset2 = w.absmax.clone(), w.offset.clone()
+    bound(x2, packed2, b2, out2, absmax2, None, None, offset2)
+    again = dict(zip(names, next(args for name, args, _ in log if name == "gemm")[5:], strict=True))
+    assert again["absmax_ptr"] == absmax2.data_ptr() != values["absmax_ptr"]
+    assert again["offset_ptr"] == offset2.data_ptr() != values["offset_ptr"]
+    assert again["absmax2_ptr"] == values["absmax2_ptr"] and again["code2_ptr"] == values["code2_ptr"]
     if split_k == 1:
         assert values["out_ptr"] == out2.data_ptr() and "bound nf4_split_sum_kernel" not in calls
     else:

@@ -494,6 +494,38 @@ def test_gluon_gemm_repeat_calls_are_bound(nf4h, lin):
             assert (plan.finish is not None) == (name == "gluon-M100")
 
 
+def test_gluon_gemm_compiled_binds_per_launch_facts(nf4h, lin):
+    """Under torch.compile (no CUDA graph) the opaque op binds the Gluon GEMM's launches once per set of launch facts
+    (nf4.linear.ops._PLANS) and rebinds each weight's packed bytes and state: two weights of one shape applied in
+    turn, nested and not, give eager's bits on every call."""
+    from torch._dynamo.utils import counters
+
+    from nf4.linear import gemm_gluon
+    from nf4.linear import ops as linear_ops
+
+    if not _hopper() or not gemm_gluon.AVAILABLE:
+        pytest.skip("the Gluon GEMM runs on sm_90 with Triton's Gluon API")
+    dtype, (n, k, m) = torch.bfloat16, (4096, 4096, 96)
+    assert tuned(torch.cuda.get_device_name(), m, n=n, k=k).kernel == "gemm_gluon"
+    for nested in (True, False):
+        seed = nf4h.case_seed("gpu-gluon-plans", nested)
+        first = nf4h.quantize((n, k), dtype, 64, nested, seed=seed, device=CUDA)
+        second = nf4h.quantize((n, k), dtype, 64, nested, seed=seed + 1, device=CUDA)
+
+        def fn(x, first=first, second=second):
+            return nf4.linear(nf4.linear(x, *first), *second)
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        for i in range(4):
+            x = lin.randn((m, k), dtype, seed + 2 + i, scale=0.05, device=CUDA)
+            assert_bitexact(compiled(x), fn(x), name=f"gluon compiled, two weights, nested={nested}, call {i}")
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert any(isinstance(v, gemm_gluon.Bound) for v in linear_ops._PLANS.values())
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gluon_gemm_compiled_and_graphed(nf4h, lin, dtype):
     """The Gluon GEMM (the table's at M = 96 on 4096 x 4096, sm_90) under torch.compile(fullgraph=True), where it
