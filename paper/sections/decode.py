@@ -89,12 +89,13 @@ def prefill_device_ms(payload: dict) -> dict:
     return out
 
 
-def prefill(payload: dict) -> dict:
-    """{(model, batch, mode, compiled): ms per token} of the prefill rows that ran, at the first prompt length."""
+def prefill(payload: dict, with_commit: bool = False) -> dict:
+    """{(model, batch, mode, compiled): ms per token} of the prefill rows that ran, at the first prompt length
+    (with_commit: (ms per token, the row's commit, for a merged file's rows))."""
     out = {}
     for r in _prefill_rows(payload):
         if r.get("ms_per_token"):
-            out.setdefault(_key(r), r["ms_per_token"])
+            out.setdefault(_key(r), (r["ms_per_token"], r.get("commit")) if with_commit else r["ms_per_token"])
     return out
 
 
@@ -105,13 +106,19 @@ def build(doc: Document, data: dict | None) -> None:
     doc.macro("NFdecodeBarBatchEight", ratio(BAR_BATCH8))
     for tag, g, _ in GPUS:
         p = short.get(tag) or {}
-        pre = prefill(p)
+        pre = prefill(p, with_commit=True)
         layers = (p.get("config") or {}).get("layers")
         doc.macro(f"NFshortLayers{g}", str(layers) if layers else NM)
-        doc.macro(f"NFshortCommit{g}", tex(((p.get("environment") or {}).get("commit") or "")[:7]) or NM)
+        bnb, bnb_commit = pre.get(("llama3-8b", 1, "bnb", True), (None, None))
+        commit = bnb_commit or (p.get("environment") or {}).get("commit") or ""
+        doc.macro(f"NFshortCommit{g}", tex(commit[:7]) or NM)
         for mode, stem in (("nf4", "Plain"), ("nf4-fused", "Fused")):
-            bnb, ours = (pre.get(("llama3-8b", 1, m, True)) for m in ("bnb", mode))
-            doc.macro(f"NFshortPrefill{stem}VsBnb{g}", ratio(bnb / ours) if bnb and ours else NM)
+            ours, ours_commit = pre.get(("llama3-8b", 1, mode, True), (None, None))
+            same_run = ours_commit == bnb_commit  # a merged file: only rows of bitsandbytes' own run compare
+            doc.macro(f"NFshortPrefill{stem}VsBnb{g}", ratio(bnb / ours) if bnb and ours and same_run else NM)
+        wall, device = prefill_device_ms(p).get(("llama3-8b", 1, "nf4-fused", True), (None, None))
+        doc.macro(f"NFshortPrefillFusedWallMs{g}", num(wall, 1) if wall else NM)
+        doc.macro(f"NFshortPrefillFusedDeviceMs{g}", num(device, 1) if device else NM)
     sums = {tag: summary(p) for tag, p in data.items()}
     for tag, g, _ in GPUS:
         pre = prefill(data[tag]) if tag in data else {}
