@@ -71,6 +71,11 @@ def test_the_readme_decode_and_fsdp_claims_hold_in_the_committed_results():
     rows = decode.summary(json.loads((ROOT / "results" / "decode" / "decode_h200.json").read_text()))
     fused = next(r for r in rows if r["mode"] == "nf4-fused" and r["batch"] == 1 and r["layers"] == 32)
     assert 1.0 < fused["vs_dense"] < decode.BAR and 1.0 < fused["vs_bnb"] < decode.BAR, fused
+    assert "At batch 8 and 32 it is within a tenth of dense bf16" in text
+    assert "and faster than bitsandbytes alone." in text
+    for batch in (8, 32):
+        at = next(r for r in rows if r["mode"] == "nf4-fused" and r["batch"] == batch and r["layers"] == 32)
+        assert 0.9 <= at["vs_dense"] <= 1.1 and at["vs_bnb"] > 1.0, at
     fsdp = json.loads((ROOT / "results" / "fsdp" / "fsdp_qlora_h200x2.json").read_text())
     assert fsdp["config"].get("interleave") and fsdp["verdicts"]["speedup_nf4_vs_bnb"] >= 1.0
     medians = {k: r["time"]["median_ms"] for k, r in fsdp["runs"].items()}
