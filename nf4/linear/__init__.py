@@ -1,5 +1,6 @@
 """The fused NF4 linear: kernels, one family per file, each with its own launches (gemv.py, gemv_table.py,
-gemv_mma.py, gemm_word.py, gemv_pair.py, gemm_gluon.py (a Gluon kernel that launches itself); common.py's shared
+gemv_mma.py, gemm_word.py, gemv_pair.py, gemm_gluon.py (a Gluon kernel that launches itself, from gluon_launch.py);
+common.py's shared
 @triton.jit helpers), config (`config.py`), tuned data
 (`tuned.py`, `tuned.json`), launch (`launch.py`: the kernels by name, the fallbacks, the shared arguments; `call.py`:
 what it hands a kernel file and the helpers they share), torch.library ops (`ops.py`), API with autograd

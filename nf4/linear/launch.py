@@ -25,7 +25,7 @@ import torch
 
 from .. import runtime
 from ..weight import NF4Weight
-from . import gemm_gluon, gemm_word, gemv, gemv_mma, gemv_pair, gemv_table
+from . import gemm_word, gemv, gemv_mma, gemv_pair, gemv_table, gluon_launch
 from .call import DT, SUM_BLOCK, Call, auto_split, gpu_sms  # noqa: F401 (DT, SUM_BLOCK, auto_split: re-exported)
 from .config import LinearConfig
 from .gemv_table import TABLE_MAX_M  # noqa: F401 (re-exported)
@@ -37,7 +37,7 @@ KERNELS = {
     "gemv_mma": gemv_mma,
     "gemm_word": gemm_word,
     "gemv_pair": gemv_pair,
-    "gemm_gluon": gemm_gluon,
+    "gemm_gluon": gluon_launch,  # gemm_gluon.py's kernel, launched by gluon_launch.py
 }
 GEMV_KERNELS = tuple(name for name, kernel in KERNELS.items() if hasattr(kernel, "step"))  # split in whole steps
 

@@ -31,7 +31,7 @@ def _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype) ->
 # rebound on each call: a compiled graph hands the op its packed weight as an alias made anew for every call (and
 # the state's tensors as they are), so no launch is kept by tensor identity; what the compiled kernel depends on
 # (sizes, dtypes, blocksize, flags, each pointer's 16-byte alignment, which Triton specialises on) is the key. The
-# opaque linear keeps a self-launching kernel's bound launches (gemm_gluon.Bound) here the same way (`_direct_key`).
+# opaque linear keeps a self-launching kernel's bound launches (gluon_launch.Bound) here the same way (`_direct_key`).
 _PLANS: dict[tuple, object] = {}
 _PLANS_LIMIT = 4096
 _NESTED_SLOTS = ("packed_ptr", "absmax_ptr", "absmax2_ptr", "code2_ptr", "offset_ptr", "out_ptr")

@@ -18,6 +18,7 @@ from nf4.linear.tuned import CONFIGS
 from nf4.weight import NF4Weight
 
 gg = importlib.import_module("nf4.linear.gemm_gluon")
+gll = importlib.import_module("nf4.linear.gluon_launch")  # its launches
 
 
 def _weight(n: int, k: int, blocksize: int = 64, dtype=torch.bfloat16, device="cpu") -> NF4Weight:
@@ -34,7 +35,7 @@ def test_permute_x_is_the_fragment_model(m, k):
     gen = torch.Generator().manual_seed(m * 7919 + k)
     x = torch.randn((m, k), generator=gen).to(torch.bfloat16)
     out = torch.full_like(x, float("nan"))
-    got = gg.permute_x(x, out)
+    got = gll.permute_x(x, out)
     want = torch.from_numpy(fragment.fragment_order(x.float().numpy())).to(torch.bfloat16)
     assert got is out
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -47,14 +48,14 @@ def test_split_on_a_gpu():
     g128, g256 = CONFIGS["GLUON_GEMM128"], CONFIGS["GLUON_GEMM256"]
     for (n, k, m), want in {(4096, 4096, 128): 4, (14336, 4096, 128): 1, (4096, 14336, 96): 4,
                             (2048, 4096, 100): 8, (1024, 1024, 65): 2}.items():
-        parts, seg = gg.split(g128, _weight(n, k), m, 132)
+        parts, seg = gll.split(g128, _weight(n, k), m, 132)
         assert parts == want, (n, k, m, parts)
         steps = seg // 32
         assert steps % 2 == 0 and (parts - 1) * steps < k // 64 <= parts * steps
         assert parts == 1 or steps >= 8
-    assert gg.split(g256, _weight(4096, 4096), 512, 132) == (1, 2048)
-    assert gg.split(g128, _weight(4096, 4096), 128, None) == (1, 2048)  # off the GPU: one
-    parts, seg = gg.split(g128.with_(split_k=3), _weight(512, 1280), 77, 132)  # 20 steps in 3: 8, 8, 4
+    assert gll.split(g256, _weight(4096, 4096), 512, 132) == (1, 2048)
+    assert gll.split(g128, _weight(4096, 4096), 128, None) == (1, 2048)  # off the GPU: one
+    parts, seg = gll.split(g128.with_(split_k=3), _weight(512, 1280), 77, 132)  # 20 steps in 3: 8, 8, 4
     assert (parts, seg) == (3, 256)
 
 
@@ -63,7 +64,7 @@ def test_not_runnable_off_a_hopper_gpu():
     config = CONFIGS["GLUON_GEMM128"]
     w = _weight(2048, 4096)
     x = torch.zeros((96, 4096), dtype=torch.bfloat16)
-    assert not gg.runnable(config, w, x, 96)
+    assert not gll.runnable(config, w, x, 96)
     assert linear_launch.launch_config(config, w, x, 96, False).kernel != "gemm_gluon"
     assert linear_launch.direct(config) and not linear_launch.direct(LinearConfig(kernel="gemm_word"))
 
@@ -103,11 +104,11 @@ def test_bound_launch_places_each_call_s_tensors(monkeypatch, split_k, bias):
         def __getitem__(self, grid):
             return lambda *args, **kw: _Recorder("jit", log)(grid, *args, **kw)
 
-    monkeypatch.setattr(gg, "nf4_gemm_gluon_kernel", _Grid())
-    monkeypatch.setattr(gg.runtime, "launch", lambda fn, grid, args, **kw: _Recorder(fn.__name__, log)(grid, args))
-    monkeypatch.setattr(gg.runtime, "launch_head", lambda compiled: (_Recorder("gemm", log), ("HEAD",)))
-    monkeypatch.setattr(gg.runtime, "bind", lambda c, fn, grid, args, rebind: _Recorder(f"bound {fn.__name__}", log))
-    monkeypatch.setattr(gg.runtime, "raw_stream", lambda index: 7)
+    monkeypatch.setattr(gll, "nf4_gemm_gluon_kernel", _Grid())
+    monkeypatch.setattr(gll.runtime, "launch", lambda fn, grid, args, **kw: _Recorder(fn.__name__, log)(grid, args))
+    monkeypatch.setattr(gll.runtime, "launch_head", lambda compiled: (_Recorder("gemm", log), ("HEAD",)))
+    monkeypatch.setattr(gll.runtime, "bind", lambda c, fn, grid, args, rebind: _Recorder(f"bound {fn.__name__}", log))
+    monkeypatch.setattr(gll.runtime, "raw_stream", lambda index: 7)
     n, k, m = 512, 1280, 77
     w = _weight(n, k)
     config = CONFIGS["GLUON_GEMM128"].with_(split_k=split_k)
@@ -116,7 +117,7 @@ def test_bound_launch_places_each_call_s_tensors(monkeypatch, split_k, bias):
     out = torch.empty((m, n), dtype=torch.bfloat16)
     part = torch.empty(split_k * m * n) if split_k > 1 else None
     call = linear_launch._direct_call(x, w, b, out, m, config, True, part)
-    bound = gg.bind(call)
+    bound = gll.bind(call)
     names = list(kernel.arg_names)
     first = next(args for name, args, _ in log if name == "jit")
     grid, given = first[0], first[1:]

@@ -462,12 +462,12 @@ def test_cuda_graph_capture(nf4h, lin, dtype, m):
 
 
 def test_gluon_gemm_repeat_calls_are_bound(nf4h, lin):
-    """From the second call of a key nf4.linear runs the Gluon GEMM through its bound launches (gemm_gluon.Bound in
+    """From the second call of a key nf4.linear runs the Gluon GEMM through its bound launches (gluon_launch.Bound in
     the repeat-call cache, no JIT dispatch): each call's x, bias and out, the packed bytes copied to new addresses
     (the weight's descriptor remade), split-K (auto at M = 100 on 4096 x 4096) and not (M = 300); every call's
     result is the operand's bits on identity rows (with a bias: scale * w + bias rounded once)."""
     from nf4.linear import api as linear_api
-    from nf4.linear import gemm_gluon
+    from nf4.linear import gemm_gluon, gluon_launch
 
     if not _hopper() or not gemm_gluon.AVAILABLE:
         pytest.skip("the Gluon GEMM runs on sm_90 with Triton's Gluon API")
@@ -490,7 +490,7 @@ def test_gluon_gemm_repeat_calls_are_bound(nf4h, lin):
                 want = (want + b.float() if b is not None else want).to(dtype)
                 assert_bitexact(got, want, name=f"{name} bias={b is not None} call {i}")
             plan = entry.launches.get((m, dtype, b is not None, False, config, True))
-            assert isinstance(plan, gemm_gluon.Bound), (name, plan)
+            assert isinstance(plan, gluon_launch.Bound), (name, plan)
             assert (plan.finish is not None) == (name == "gluon-M100")
 
 
@@ -500,7 +500,7 @@ def test_gluon_gemm_compiled_binds_per_launch_facts(nf4h, lin):
     turn, nested and not, give eager's bits on every call."""
     from torch._dynamo.utils import counters
 
-    from nf4.linear import gemm_gluon
+    from nf4.linear import gemm_gluon, gluon_launch
     from nf4.linear import ops as linear_ops
 
     if not _hopper() or not gemm_gluon.AVAILABLE:
@@ -522,7 +522,7 @@ def test_gluon_gemm_compiled_binds_per_launch_facts(nf4h, lin):
             x = lin.randn((m, k), dtype, seed + 2 + i, scale=0.05, device=CUDA)
             assert_bitexact(compiled(x), fn(x), name=f"gluon compiled, two weights, nested={nested}, call {i}")
         assert not counters["graph_break"], dict(counters["graph_break"])
-        assert any(isinstance(v, gemm_gluon.Bound) for v in linear_ops._PLANS.values())
+        assert any(isinstance(v, gluon_launch.Bound) for v in linear_ops._PLANS.values())
     torch._dynamo.reset()
 
 
