@@ -47,12 +47,13 @@ def permute_x(x: torch.Tensor, out: torch.Tensor):
 
 def runnable(config: LinearConfig, w: NF4Weight, x, m: int) -> bool:
     """A CUDA sm_90 GPU with Triton's Gluon Hopper API (not the interpreter), W's dtype x's (16-bit), blocksize 64,
-    rows of whole pairs of steps (K a multiple of 128), x contiguous and x, the packed bytes 16-byte aligned (TMA)."""
+    rows of whole pairs of steps (K a multiple of 128), x and the packed bytes contiguous and 16-byte aligned (TMA:
+    the weight's descriptor is made on the packed tensor itself)."""
     device = w.packed.device
     return (AVAILABLE and device.type == "cuda" and not runtime.interpreting(device)
             and runtime.capability(device) == (9, 0) and w.dtype == x.dtype and x.dtype in DTYPES
             and w.blocksize == STEP and w.shape[1] % (2 * STEP) == 0 and x.is_contiguous()
-            and aligned(x, 16) and aligned(w.packed, 16))
+            and w.packed.is_contiguous() and aligned(x, 16) and aligned(w.packed, 16))
 
 
 def split(config: LinearConfig, w: NF4Weight, m: int, sms: int | None) -> tuple[int, int]:

@@ -47,11 +47,11 @@ def _plan_key(parts: tuple, wt: torch.Tensor, n: int, k: int, blocksize: int, ft
 
 def _direct_key(x, packed, state: tuple, bias, n: int, k: int, blocksize: int, w_dtype, ftz: bool) -> tuple:
     """What the table's choice and a self-launching kernel's bound launches (`launch.bind_direct`) depend on in the
-    opaque op besides the pointers they rebind: the GPU, the shapes and dtypes, ftz, the bias, and the 16-byte
-    alignment of x, the packed bytes, the bias and the state's tensors (absmax, absmax2, code2, offset; None where
-    not nested), which Triton specialises on."""
-    return ("direct", x.device.index, x.shape, x.dtype, x.data_ptr() % 16, packed.dtype, packed.numel(),
-            packed.data_ptr() % 16, n, k, blocksize, w_dtype, ftz,
+    opaque op besides the pointers they rebind: the GPU, the shapes and dtypes, ftz, the bias, whether x and the
+    packed bytes are contiguous, and the 16-byte alignment of x, the packed bytes, the bias and the state's tensors
+    (absmax, absmax2, code2, offset; None where not nested), which Triton specialises on."""
+    return ("direct", x.device.index, x.shape, x.dtype, x.is_contiguous(), x.data_ptr() % 16, packed.dtype,
+            packed.numel(), packed.is_contiguous(), packed.data_ptr() % 16, n, k, blocksize, w_dtype, ftz,
             None if bias is None else (bias.dtype, bias.data_ptr() % 16),
             *(None if t is None else (t.dtype, t.data_ptr() % 16) for t in state))
 
@@ -195,6 +195,8 @@ def linear_op(x, w: NF4Weight, bias, ftz: bool):
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
+    if bias is not None:
+        bias = bias.contiguous()  # the kernels read it as N contiguous values, as the eager call makes it
     code, code_pairs, dummy = traced_tables(x.device)
     y = torch.ops.nf4.linear(x2, w.packed, w.absmax, w.absmax2, w.code2, w.offset, code, code_pairs, dummy, bias,
                              n, k, w.blocksize, w.dtype, ftz, False)
