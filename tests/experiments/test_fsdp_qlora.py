@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NEEDS = [name for name in ("transformers", "peft", "bitsandbytes") if importlib.util.find_spec(name) is None]
 
 
+@pytest.mark.slow  # two processes of a tiny model on the CPU (about 25 s: make test-long)
 @pytest.mark.skipif(bool(NEEDS), reason=f"needs {', '.join(NEEDS)}")
 def test_cpu_two_processes_nf4_matches_bitsandbytes(tmp_path):
     out = tmp_path / "fsdp_qlora.json"

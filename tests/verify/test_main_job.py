@@ -18,6 +18,7 @@ def _status() -> str:
                           text=True, check=True).stdout
 
 
+@pytest.mark.slow  # the main job end to end (about 25 s: make test-long, which CI runs after make test)
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
 def test_main_job_writes_no_tracked_file(tmp_path):
     """`python -m verify` (the CPU path, on the quick subset) with no --out: the checkout's status is unchanged,
