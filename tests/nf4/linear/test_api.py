@@ -657,6 +657,57 @@ def test_opaque_dequantize_binds_per_launch_facts_and_rebinds_every_pointer(nf4h
     assert len(full) == 4 and len(bound_calls) == 1 and len(ops._PLANS) == 4
 
 
+@pytest.mark.parametrize("nested", [True, False], ids=["dq", "nodq"])
+def test_opaque_linear_binds_a_direct_kernel_per_launch_facts(nf4h, monkeypatch, nested):
+    """The opaque linear (torch.compile's path for a kernel that launches itself, the Gluon GEMM) binds the kernel
+    on its first call per set of launch facts (`ops._direct_key`) and later calls take the bound launches with their
+    own x, packed bytes, bias, out and state's tensors; another M, alignment, contiguity or bias takes the full path
+    again, as does a call while a profiler hook is on. The table's choice and the kernel stood in for (on the CPU
+    the Gluon GEMM cannot run)."""
+    ops = importlib.import_module("nf4.linear.ops")
+    binds, bound_calls = [], []
+    gluon = LinearConfig(kernel="gemm_gluon", block_m=128)
+
+    def bound(x, packed, bias, out, *state):
+        bound_calls.append((x.data_ptr(), packed.data_ptr(), bias, out.shape, state))
+        return out
+
+    def bind_direct(x, w, bias, out, m, config, ftz, part):
+        binds.append((m, config, ftz))
+        return bound
+
+    monkeypatch.setattr(ops, "_bindable", lambda device: True)
+    monkeypatch.setattr(ops, "launch_config", lambda config, w, x, m, trans: gluon)
+    monkeypatch.setattr(ops, "split_k", lambda config, w, m, device: (1, w.shape[1] // 2))
+    fulls = []
+    monkeypatch.setattr(ops, "bind_direct", bind_direct)
+    monkeypatch.setattr(ops, "run_direct", lambda x, w, bias, out, *a: fulls.append(x.shape) or out)
+    monkeypatch.setattr(ops, "_PLANS", {})
+    n, k = 37, 128
+    packed, qs = nf4h.quantize((n, k), torch.bfloat16, 64, nested, seed=nf4h.case_seed("opaque-direct", nested))
+    s2 = qs.state2
+    state = (qs.absmax, s2.absmax, s2.code, qs.offset) if nested else (qs.absmax, None, None, None)
+
+    def call(x, p=packed, st=state, bias=None):
+        return ops._linear_opaque(x, p, *st, bias, n, k, 64, torch.bfloat16, True)
+
+    x = torch.randn(96, k).to(torch.bfloat16)
+    call(x)
+    assert len(binds) == 1 and binds[0][:2] == (96, gluon) and not bound_calls
+    twin_state = tuple(None if t is None else t.clone() for t in state)  # another weight, the same facts
+    x2, packed2 = torch.randn(96, k).to(torch.bfloat16), packed.clone()
+    out = call(x2, packed2, twin_state)
+    assert len(binds) == 1 and len(bound_calls) == 1 and out.shape == (96, n)
+    assert bound_calls[0][:2] == (x2.data_ptr(), packed2.data_ptr()) and bound_calls[0][4] == twin_state
+    call(torch.randn(97, k).to(torch.bfloat16))  # another M
+    call(torch.randn(96, k + 2).to(torch.bfloat16)[:, :k])  # not contiguous
+    call(x, bias=torch.randn(n).to(torch.bfloat16))  # a bias
+    assert len(binds) == 3 and len(bound_calls) == 1 and len(fulls) == 1  # the strided x: the full path, unbound
+    monkeypatch.setattr(ops.runtime, "hooks_active", lambda: True)  # a profiler: the full path, nothing bound
+    call(x2, packed2, twin_state)
+    assert len(binds) == 3 and len(bound_calls) == 1 and len(fulls) == 2
+
+
 def test_gluon_rule():
     """tuned.gluon_rule: on the H100, M = 65-128 on weights of 8Mi weights or more take GLUON_GEMM128, M = 129-256 on
     weights of 16Mi or more with N >= K and M = 257-512 on weights of 24Mi or more with N >= 0.75 K GLUON_GEMM256; on
