@@ -31,15 +31,17 @@ def _weight(n: int, k: int, blocksize: int = 64, dtype=torch.bfloat16, device="c
 
 @pytest.mark.parametrize("m, k", [(1, 64), (5, 128), (9, 1088), (3, 4096)])
 def test_permute_x_is_the_fragment_model(m, k):
-    """Every column of x lands where fragment.fragment_order puts it (poisoned output: every element written)."""
+    """Every column of x lands where fragment.fragment_order puts it (poisoned output: every element written): in the
+    interpreter on CPU tensors, compiled on a CUDA GPU (where the interpreter is off)."""
     gen = torch.Generator().manual_seed(m * 7919 + k)
     x = torch.randn((m, k), generator=gen).to(torch.bfloat16)
-    out = torch.full_like(x, float("nan"))
-    got = gll.permute_x(x, out)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.full_like(x, float("nan"), device=device)
+    got = gll.permute_x(x.to(device), out)
     want = torch.from_numpy(fragment.fragment_order(x.float().numpy())).to(torch.bfloat16)
     assert got is out
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert not torch.equal(got, x) or k < 64  # a permutation, not the identity
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got.cpu(), x) or k < 64  # a permutation, not the identity
 
 
 def test_split_on_a_gpu():
