@@ -17,7 +17,7 @@ import torch
 
 from .. import runtime
 from ..dequant.launch import launch as dequant_launch
-from ..traced import traced_tables
+from ..traced import opaque_op, traced_tables
 from ..weight import NF4Weight
 from .launch import bind_direct, dense_product, direct, kernel_args, launch_config, level_pairs, run_direct, split_k
 from .tuned import tuned
@@ -81,7 +81,16 @@ def _dequantize_scratch(packed, absmax, absmax2, code2, offset, n, k, blocksize,
     return wt
 
 
-@torch.library.custom_op("nf4::dequantize_matmul_opaque", mutates_args=())
+_STATE_ARGS = "Tensor x, Tensor packed, Tensor absmax, Tensor? absmax2, Tensor? code2, Tensor? offset, Tensor? bias"
+
+
+def _dequantize_matmul_fake(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype, ftz, trans):
+    return x.new_empty((x.shape[0], k if trans else n))
+
+
+@opaque_op("dequantize_matmul_opaque",
+           f"({_STATE_ARGS}, SymInt n, SymInt k, SymInt blocksize, ScalarType w_dtype, bool ftz, bool trans) -> Tensor",
+           _dequantize_matmul_fake)
 def _dequantize_matmul_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                               absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: torch.Tensor | None,
                               bias: torch.Tensor | None, n: int, k: int, blocksize: int, w_dtype: torch.dtype,
@@ -91,12 +100,12 @@ def _dequantize_matmul_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: tor
     return dense_product(x, wt, bias, trans)
 
 
-@_dequantize_matmul_opaque.register_fake
-def _(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype, ftz, trans):
-    return x.new_empty((x.shape[0], k if trans else n))
+def _linear_fake(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype, ftz):
+    return x.new_empty((x.shape[0], n))
 
 
-@torch.library.custom_op("nf4::linear_opaque", mutates_args=())
+@opaque_op("linear_opaque", f"({_STATE_ARGS}, SymInt n, SymInt k, SymInt blocksize, ScalarType w_dtype, bool ftz)"
+           " -> Tensor", _linear_fake)
 def _linear_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor | None,
                    code2: torch.Tensor | None, offset: torch.Tensor | None, bias: torch.Tensor | None, n: int, k: int,
                    blocksize: int, w_dtype: torch.dtype, ftz: bool) -> torch.Tensor:
@@ -129,11 +138,6 @@ def _linear_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, 
     for fn, grid, args, options in kernel_args(x, w, bias, out, m, config, ftz, runtime.interpreting(x.device), part):
         runtime.launch(fn, grid, args, device=x.device, enable_fp_fusion=True, **options)
     return out
-
-
-@_linear_opaque.register_fake
-def _(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype, ftz):
-    return x.new_empty((x.shape[0], n))
 
 
 @torch.library.triton_op("nf4::linear", mutates_args=())

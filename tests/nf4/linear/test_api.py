@@ -583,6 +583,36 @@ def test_dequantize_matmul_opaque_op(nf4h, lin, trans):
     assert_bitexact(torch.ops.nf4.dequantize_matmul_opaque(*args), want, name="opaque op")
 
 
+@pytest.mark.parametrize("op", ["linear_opaque", "dequantize_matmul_opaque"])
+def test_opaque_ops_have_no_gradient_and_say_so(nf4h, lin, op):
+    """The opaque ops are torch.library.Library registrations (nf4.traced.opaque_op: one Python crossing a call, no
+    autograd kernel): with grad mode on, an x or a bias that requires grad is refused with an error naming the op, and
+    nothing is returned without a gradient; with grad mode off the same call runs and gives eager's bits. No
+    autograd kernel is registered (the dispatcher's fallback passes through, the op's kernel decides)."""
+    import nf4.linear.ops  # registers the ops
+
+    n, k = 37, 128
+    packed, qs = nf4h.quantize((n, k), torch.bfloat16, 64, True, seed=nf4h.case_seed("opaque-grad", op))
+    s2 = qs.state2
+    x = lin.randn((5, k), torch.bfloat16, 13)
+    bias = lin.randn((n,), torch.bfloat16, 14)
+    tail = (n, k, 64, torch.bfloat16, False) + ((False,) if op == "dequantize_matmul_opaque" else ())
+    fn = getattr(torch.ops.nf4, op).default
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(fn.name(), "Autograd")
+    with torch.no_grad():
+        want = fn(x, packed, qs.absmax, s2.absmax, s2.code, qs.offset, bias, *tail)
+    for xg, bg in ((x.clone().requires_grad_(True), bias), (x, bias.clone().requires_grad_(True))):
+        with pytest.raises(RuntimeError, match=f"nf4::{op} has no gradient"):
+            fn(xg, packed, qs.absmax, s2.absmax, s2.code, qs.offset, bg, *tail)
+        with torch.no_grad():
+            got = fn(xg, packed, qs.absmax, s2.absmax, s2.code, qs.offset, bg, *tail)
+        assert_bitexact(got, want, name=op)
+    if op == "linear_opaque":  # the fused launches as eager makes them
+        assert_bitexact(want, nf4.linear(x, packed, qs, bias, ftz=False), name=op)
+    else:  # nf4.dequantize, then the product
+        assert_bitexact(want, torch.nn.functional.linear(x, nf4.dequantize(packed, qs, ftz=False), bias), name=op)
+
+
 def test_maxnreg_reaches_the_compile_options_and_changes_no_result(nf4h):
     """LinearConfig.maxnreg is a compile option of the GEMV launches (PTX .maxnreg on a GPU; the offline sm_90a
     builds of experiments bench-linear's mma-wk-reg grid), absent where it is None; in Triton's interpreter a
