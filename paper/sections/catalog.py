@@ -178,6 +178,9 @@ def _linear_bars(doc: Document, linear: dict) -> None:
         doc.macro(f"NFcatLinearInversions{g}", integer(inv["count"]) if "count" in inv else NM)
         doc.macro(f"NFcatLinearRows{g}", integer(summ["rows"]) if "rows" in summ else NM)
         doc.macro(f"NFcatLinearExact{g}", integer(summ["exact"]) if "exact" in summ else NM)
+        commits = sorted({str(((part.get("environment") or {}).get("commit")) or "")[:7]
+                          for part in ((linear.get(tag) or {}).get("parts") or [])} - {""})
+        doc.macro(f"NFcatLinearCommits{g}", tex(", ".join(commits)) if commits else NM)
         for peer, stem in (("bnb_matmul_4bit", "Bnb"), ("dense_cublas", "Dense"), ("unsloth_gemv", "Unsloth"),
                            ("same_bytes_cublas", "SameBytes")):
             p = (summ.get("peers") or {}).get(peer) or {}
