@@ -38,7 +38,9 @@ def opaque_op(name: str, schema: str, fake):
     times (its autograd kernel, a redispatch, a wrapper around the kernel), which cost about 40 us a call on the
     GPU machines' hosts, on every compiled call without CUDA graphs. The op has no gradient: with grad mode on, an
     input that requires grad is refused with an error, before the dispatcher's autograd fallback could hand back a
-    result without one. (Compiled graphs call it with grad mode off; nf4::linear's autograd formula is its own.)"""
+    result without one. (Compiled graphs call it with grad mode off; nf4::linear's autograd formula is its own.)
+    For ops that return a new tensor: one that writes into an input (nf4::dequantize_opaque) stays a custom_op,
+    whose registration also bumps the written tensor's version counter."""
     def register(fn):
         global _LIBRARY
         if _LIBRARY is None:
