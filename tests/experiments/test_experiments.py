@@ -156,7 +156,7 @@ def test_prmt_codebook_ptx_emulated(nf4h):
 # --- offline sm_75 builds -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (a compile of about 15 s on both cores: once a worker, however interleaved)
 def sm75_builds():
     from experiments import sm75
 

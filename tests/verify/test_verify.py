@@ -59,7 +59,9 @@ def _one_case(case: cases.Case, names=None):
 # --- the quick matrix ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+# The quick matrix takes about 15 s on one core: the fixture lives for the session, so that an xdist worker makes it
+# once however its tests are interleaved with other modules' (a module fixture is made again each time).
+@pytest.fixture(scope="session")
 def quick_cells():
     with np.errstate(over="ignore", invalid="ignore"):
         return matrix.run(cases.grid(quick=True), CPU_IMPLS, "cpu")

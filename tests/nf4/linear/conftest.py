@@ -170,14 +170,17 @@ def lin():
 
 
 # The interpreter's longest cases (tens of seconds each on a 2-core machine): `make test-long` runs them (CI runs
-# both targets). Every kernel path stays in `make test` through the same tests' other cases (the word GEMV at
-# blocksizes 32 and 64, its model at 32 and 64, flush-to-zero through test_api.py's ftz case and the dequantize
+# both targets). Every kernel path stays in `make test` through the same tests' other cases (the table GEMV's
+# operand at blocksize 64 and its model at 32, flush-to-zero through test_api.py's ftz case and the dequantize
 # tests, and the sum bound).
 SLOW = {
+    "test_operand.py::test_forward_operand[gemv-table-32]",
     "test_operand.py::test_forward_operand[gemv-table-128]",
     "test_operand.py::test_forward_operand[gemv-table-256]",
     "test_operand.py::test_ftz_flushes_subnormal_weights",
     "test_operand.py::test_subnormal_weights_ieee[gemv-table-False]",
+    "test_model.py::test_table_gemv_matches_word_model[64-bf16]",
+    "test_model.py::test_table_gemv_matches_word_model[64-fp16]",
     "test_model.py::test_table_gemv_matches_word_model[128-bf16]",
     "test_model.py::test_table_gemv_matches_word_model[128-fp16]",
 }
