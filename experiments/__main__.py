@@ -55,6 +55,8 @@ def main(argv=None) -> int:
                    "rules fit on its fit subset (experiments.tune_dequant)", add_help=False)
     sub.add_parser("call-forms", help="GPU: host time of every eager repeat-call form of nf4.dequantize and nf4.linear "
                    "against an empty Triton JIT launch (experiments.call_forms)", add_help=False)
+    sub.add_parser("compiled-host", help="GPU: host time of nf4.linear's compiled calls without CUDA graphs, beside "
+                   "a compiled dense matmul (experiments.compiled_host)", add_help=False)
     sub.add_parser("list", help="table of variants: id, parent, change, exact_expected")
     run = sub.add_parser("run", help="check every variant bit-exact, then time it (GPU)")
     run.add_argument("ids", nargs="*", help="variant ids or shell patterns (v3*); default all")
@@ -77,8 +79,8 @@ def main(argv=None) -> int:
     sm.add_argument("--ptx-dir", default=None, help="also save each build's PTX here")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "bench-linear", "probe", "qlora", "fsdp-qlora", "compile-dequant", "gemv-limit",
-                            "gemm-limit", "linear-bounds", "linear-host", "call-forms", "catalog", "catalog-bench",
-                            "tune-dequant", "decode"):
+                            "gemm-limit", "linear-bounds", "linear-host", "call-forms", "compiled-host", "catalog",
+                            "catalog-bench", "tune-dequant", "decode"):
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0].replace('-', '_')}").main(argv[1:])
