@@ -46,7 +46,8 @@ def _decode_rows(payload: dict) -> dict:
 
 def summary(payload: dict) -> list[dict]:
     """Per (model, layers, batch, mode): eager and compiled ms per token, the compiled speedups over dense and
-    bitsandbytes alone, the compiled linear share and fullgraph."""
+    bitsandbytes alone, the compiled linear share and fullgraph, and the commit of the run that measured it (the
+    compiled row's; rows merged from several runs keep theirs, so a ratio between two commits is visible)."""
     rows = _decode_rows(payload)
     out = []
     for model, layers, batch in dict.fromkeys(k[:3] for k in rows):
@@ -64,7 +65,8 @@ def summary(payload: dict) -> list[dict]:
                         "vs_bnb": bnb["ms_per_token"] / ms if bnb and ms else None,
                         "linear_share": (comp or {}).get("linear_share"),
                         "fullgraph": (comp or {}).get("fullgraph"),
-                        "deterministic": (comp or {}).get("deterministic")})
+                        "deterministic": (comp or {}).get("deterministic"),
+                        "commit": str((comp or eager).get("commit") or "")[:7]})
     return out
 
 
@@ -149,9 +151,9 @@ def build(doc: Document, data: dict | None) -> None:
         doc.write("decode_table.tex", missing_box(r"results/decode/decode\_<gpu>.json (\texttt{python -m experiments "
                                                   r"decode} on a GPU)"))
         return
-    lines = [r"\begin{tabular}{llllrrrrrl}", r"\toprule",
+    lines = [r"\begin{tabular}{llllrrrrrll}", r"\toprule",
              row(["GPU", "model", "batch", "mode", "eager ms/token", "compiled ms/token", "vs dense", "vs bnb",
-                  r"4-bit linear (\%)", "full graph"]), r"\midrule"]
+                  r"4-bit linear (\%)", "full graph", "commit"]), r"\midrule"]
     for tag, _, label in GPUS:
         for s in sums.get(tag) or []:
             model = tex(MODELS.get(s["model"], s["model"]))
@@ -161,6 +163,7 @@ def build(doc: Document, data: dict | None) -> None:
                               ratio(s["vs_dense"]) if s["vs_dense"] else NM,
                               ratio(s["vs_bnb"]) if s["vs_bnb"] else NM,
                               pct(100 * s["linear_share"]) if s["linear_share"] else "---",
-                              {True: "yes", False: "no"}.get(s["fullgraph"], "---")]))
+                              {True: "yes", False: "no"}.get(s["fullgraph"], "---"),
+                              rf"\code{{{tex(s['commit'])}}}" if s["commit"] else "---"]))
     lines += [r"\bottomrule", r"\end{tabular}"]
     doc.write("decode_table.tex", "\n".join(lines) + "\n")
