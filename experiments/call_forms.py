@@ -21,7 +21,8 @@ from verify import timing
 SHAPE = (4096, 4096)
 
 
-def _module(device):
+def layer_4096(device):
+    """The 4096 x 4096 Linear4bit (bf16 compute, nf4, double quantization) the host-time benches call."""
     import bitsandbytes as bnb
 
     torch.manual_seed(0)
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
         print("call-forms needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
-    layer = _module(device)
+    layer = layer_4096(device)
     jit = timing.empty_jit_launch()
     results = []
     for op, form, fn in forms(layer):

@@ -19,7 +19,9 @@ import torch
 
 from verify import timing
 
-N = K = 4096
+from .call_forms import SHAPE, layer_4096
+
+N, K = SHAPE  # call-forms' weight
 MS = (64, 128, 512)
 
 
@@ -50,16 +52,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("compiled-host needs a CUDA GPU", file=sys.stderr)
         return 2
-    import bitsandbytes as bnb
-
     import nf4.linear.ops  # noqa: F401  (registers the ops called directly)
 
     device = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
-    layer = bnb.nn.Linear4bit(K, N, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
-                              compress_statistics=True, quant_storage=torch.uint8).to(device)
+    layer = layer_4096(device)
     packed, qs = layer.weight.data, layer.weight.quant_state
-    qs.dtype = torch.bfloat16
     dense = torch.randn(N, K, dtype=torch.bfloat16, device=device)
     rows = []
     for m in MS:
