@@ -29,9 +29,8 @@ import time
 
 import torch
 
-from nf4 import runtime
-from nf4.linear import LinearConfig
-from nf4.linear import tuned as linear_tuned
+from nf4.linear import LinearConfig, autotune
+from nf4.weight import NF4Weight
 from verify import timing
 from verify.cases import clone_state
 from verify.timing import empty_jit_launch
@@ -290,7 +289,7 @@ def bench_weight(n, k, dtype, ms, copy_gbs, unsloth, *, sweep=False, backward=Fa
                                                  batches=9)
                     row["host_us"], row["jit_host_us"] = h["median_us"], h["ref_median_us"]
                 if name == "nf4.linear":
-                    row["config"] = _config_dict(linear_tuned.tuned(runtime.device_name(xs[0].device), m, n=n, k=k))
+                    row["config"] = _config_dict(autotune.pick_for(xs[0], NF4Weight.from_state(*sets[0])))
             except Exception as exc:  # a peer that cannot take this case is reported, not fatal
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)

@@ -307,10 +307,12 @@ def _key(r: dict) -> tuple:
     return r["N"], r["K"], r["dtype"], r.get("M", 0)
 
 
-def merge(payloads: list[dict], names: list[str] | None = None) -> dict:
+def merge(payloads: list[dict], names: list[str] | None = None, replace: bool = False) -> dict:
     """One file from the parts of one op's run on one device: rows joined (a row measured twice is refused), the
     summary recomputed, each part's environment and copy bandwidth kept under `parts` (the top level keeps the
-    first's). ValueError for parts of different devices or ops."""
+    first's). replace: a later part's row replaces an earlier one's (a re-run of some rows, e.g. --ms 1,2,4,8,16, over
+    a merged file); a merged input's own parts are listed, each with the rows of it that are left. ValueError for
+    parts of different devices or ops."""
     if not payloads:
         raise ValueError("merge needs at least one part")
     names = names or [f"part {i}" for i in range(len(payloads))]
@@ -321,18 +323,30 @@ def merge(payloads: list[dict], names: list[str] | None = None) -> dict:
     ops = {p.get("op") for p in payloads}
     if len(ops) != 1:
         raise ValueError(f"parts of different ops cannot be merged: {sorted(map(str, ops))}")
-    rows, seen = [], {}
+    by_key, seen = {}, {}
     for name, p in zip(names, payloads, strict=True):
+        commits = {(q.get("environment") or {}).get("commit") for q in p.get("parts") or [p]}
+        commit = commits.pop() if len(commits) == 1 else None
         for r in p.get("rows", []):
-            if _key(r) in seen:
+            if replace and commit and "commit" not in r:  # a file of rows from several runs: each row says its own
+                r = {**r, "commit": commit}
+            if _key(r) in seen and not replace:
                 raise ValueError(f"row {_key(r)} is in {seen[_key(r)]} and in {name}")
             seen[_key(r)] = name
-            rows.append(r)
-    rows.sort(key=_key)
+            by_key[_key(r)] = r
+    rows = sorted(by_key.values(), key=_key)
     out = {key: value for key, value in payloads[0].items() if key not in ("rows", "summary", "part", "elapsed_s")}
-    out["parts"] = [{"file": name, "part": p.get("part"), "environment": p.get("environment"),
-                     "copy_gbs": p.get("copy_gbs"), "rows": len(p.get("rows", [])), "complete": p.get("complete"),
-                     "elapsed_s": p.get("elapsed_s")} for name, p in zip(names, payloads, strict=True)]
+    parts = []
+    for name, p in zip(names, payloads, strict=True):
+        left = sum(seen[_key(r)] == name for r in p.get("rows", []))
+        if p.get("parts"):  # a merged file: its own parts, then how many of its rows are left
+            parts += p["parts"]
+            parts.append({"file": name, "merged": True, "rows": len(p.get("rows", [])), "rows_left": left})
+            continue
+        parts.append({"file": name, "part": p.get("part"), "environment": p.get("environment"),
+                      "copy_gbs": p.get("copy_gbs"), "rows": len(p.get("rows", [])), "complete": p.get("complete"),
+                      "elapsed_s": p.get("elapsed_s"), **({"rows_left": left} if replace else {})})
+    out["parts"] = parts
     out["complete"] = all(p.get("complete") for p in payloads)
     out["rows"] = rows
     out["summary"] = summary(rows)
@@ -554,7 +568,8 @@ def _linear_row(n, k, m, dtype, sets, w, dense, small, device_name, copy_gbs, un
     import bitsandbytes as bnb
 
     import nf4
-    from nf4.linear import tuned as linear_tuned
+    from nf4.linear import autotune
+    from nf4.weight import NF4Weight
     from verify.exact import mismatch_count
 
     linear = torch.nn.functional.linear
@@ -565,7 +580,7 @@ def _linear_row(n, k, m, dtype, sets, w, dense, small, device_name, copy_gbs, un
            "peers_us": {}, "errors": {}, "floor_us": linear_bytes(n, k, m, e) / (copy_gbs * 1e3),
            "bytes": linear_bytes(n, k, m, e), "exact": False, "mismatches": None}
     try:
-        row["nf4_config"] = _config_text(linear_tuned.tuned(device_name, m, n=n, k=k))
+        row["nf4_config"] = _config_text(autotune.pick_for(x, NF4Weight.from_state(*sets[0])))
     except Exception as exc:
         row["nf4_config"] = _error(exc)
     try:
@@ -715,6 +730,8 @@ def _parser() -> argparse.ArgumentParser:
     mg = sub.add_parser("merge", help="join the parts of one op's run on one device")
     mg.add_argument("out")
     mg.add_argument("inputs", nargs="+")
+    mg.add_argument("--replace", action="store_true",
+                    help="a later input's row replaces an earlier one's (a re-run of some rows over a merged file)")
     return ap
 
 
@@ -724,7 +741,7 @@ def main(argv=None) -> int:
     if args.op == "merge":
         try:
             payloads = [json.loads(Path(p).read_text()) for p in args.inputs]
-            merged = merge(payloads, list(args.inputs))
+            merged = merge(payloads, list(args.inputs), replace=args.replace)
         except (OSError, ValueError) as exc:
             print(f"catalog-bench merge: {exc}", file=sys.stderr)
             return 1

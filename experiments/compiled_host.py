@@ -27,11 +27,11 @@ MS = (64, 128, 512)
 
 def _forms(packed, qs, x, n: int, k: int):
     import nf4
-    from nf4 import runtime
-    from nf4.linear.tuned import tuned
+    from nf4.linear.autotune import pick_for
+    from nf4.weight import NF4Weight
 
     state = (qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset)
-    route = tuned(runtime.device_name(x.device), x.shape[0], False, n=n, k=k).kernel
+    route = pick_for(x, NF4Weight.from_state(packed, qs)).kernel
     linear_opaque = torch.ops.nf4.linear_opaque.default
     dequant_opaque = torch.ops.nf4.dequantize_matmul_opaque.default
     compiled = torch.compile(lambda x: nf4.linear(x, packed, qs), fullgraph=True, dynamic=False)

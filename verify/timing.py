@@ -63,6 +63,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "device": "cpu",
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+        "nf4_autotune": os.environ.get("NF4_AUTOTUNE", "1"),  # "0": nf4.linear runs the tuned table, no race
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

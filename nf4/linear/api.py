@@ -24,9 +24,9 @@ import torch
 from .. import runtime
 from ..dequant import dequantize
 from ..weight import NF4Weight, RepeatCache, StateCheck, module_parts, plain, unpack
+from .autotune import pick
 from .config import LinearConfig
 from .launch import bind_direct, dense_product, direct, fused, kernel_args, launch_config, run_direct, split_k
-from .tuned import tuned
 
 X_DTYPES = (torch.float16, torch.bfloat16)
 _INT32_LIMIT = 2**31 - 1
@@ -127,7 +127,8 @@ def run(x, packed, qs, entry: _Entry, bias, *, trans: bool = False, config: Line
         return torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     key = (m, x.dtype, bias is not None, trans, config, ftz)
     if config is None:
-        config = tuned(runtime.device_name(x.device), m, trans, n=entry.N, k=entry.K)
+        w = entry.w
+        config = pick(x.device, m, trans, entry.N, entry.K, w.blocksize, w.nested, w.dtype, x.dtype)
     if config.kernel == "dequant":
         entry.launches[key] = _DEQUANT  # the same key always takes this path (the table depends on nothing else)
         return _dequant_run(x2, packed, qs, bias, trans, ftz).reshape(*lead, n_out)

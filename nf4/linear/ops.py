@@ -19,8 +19,8 @@ from .. import runtime
 from ..dequant.launch import launch as dequant_launch
 from ..traced import opaque_op, traced_tables
 from ..weight import NF4Weight
+from .autotune import pick
 from .launch import bind_direct, dense_product, direct, kernel_args, launch_config, level_pairs, run_direct, split_k
-from .tuned import tuned
 
 
 def _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype) -> NF4Weight:
@@ -119,7 +119,7 @@ def _linear_opaque(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, 
     if bound is not None and not runtime.hooks_active():  # a kernel's own bound launches, the state rebound
         return bound(x, packed, bias, torch.empty((m, n), dtype=x.dtype, device=x.device), *state)
     w = _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype)
-    config = launch_config(tuned(runtime.device_name(x.device), m, False, n=n, k=k), w, x, m, False)
+    config = launch_config(pick(x.device, m, False, n, k, blocksize, w.nested, w_dtype, x.dtype), w, x, m, False)
     if config.kernel == "dequant":
         return _dequantize_matmul_opaque(x, packed, absmax, absmax2, code2, offset, bias, n, k, blocksize, w_dtype,
                                          ftz, False)
@@ -151,7 +151,7 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2
     w = _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype)
     m = x.shape[0]
     n_out = k if trans else n
-    config = tuned(runtime.device_name(x.device), m, trans, n=n, k=k)
+    config = pick(x.device, m, trans, n, k, blocksize, absmax2 is not None, w_dtype, x.dtype)
     if config.kernel != "dequant":
         config = launch_config(config, w, x, m, trans)
     if config.kernel == "dequant":  # the table's, or a kernel's fallback

@@ -249,6 +249,36 @@ def test_merge_joins_parts_and_recomputes_the_summary():
         cb.merge([_part("H100", a), _part("H100", _dequant_rows(1), op="dequant")])
 
 
+def test_merge_replace_puts_a_rerun_over_a_merged_file(tmp_path):
+    rows = _linear_rows(11)
+    dev = "NVIDIA H100 80GB HBM3"
+    a = [r for r in rows if (r["N"], r["K"]) in SHAPES[0::2]]
+    b = [r for r in rows if (r["N"], r["K"]) in SHAPES[1::2]]
+    first = {**_part(dev, a), "environment": {"device": dev, "commit": "old"}}
+    second = {**_part(dev, b, part="1/2"), "environment": {"device": dev, "commit": "old"}}
+    merged = cb.merge([first, second], ["p0.json", "p1.json"])
+    rerun_rows = [{**r, "nf4_us": -1.0} for r in rows if r["M"] <= 16]
+    rerun = {**_part(dev, rerun_rows, part="0/1"), "environment": {"device": dev, "commit": "new"}}
+    with pytest.raises(ValueError, match="is in merged.json and in rerun.json"):
+        cb.merge([merged, rerun], ["merged.json", "rerun.json"])
+    out = cb.merge([merged, rerun], ["merged.json", "rerun.json"], replace=True)
+    assert sorted(map(cb._key, out["rows"])) == sorted(map(cb._key, rows))
+    got = {cb._key(r): r for r in out["rows"]}
+    for r in rows:
+        want_us, want_commit = (-1.0, "new") if r["M"] <= 16 else (r["nf4_us"], "old")
+        assert got[cb._key(r)]["nf4_us"] == want_us and got[cb._key(r)]["commit"] == want_commit
+    assert [p["file"] for p in out["parts"]] == ["p0.json", "p1.json", "merged.json", "rerun.json"]
+    assert out["parts"][2]["rows_left"] == sum(r["M"] > 16 for r in rows)
+    assert out["parts"][3]["rows_left"] == len(rerun_rows)
+    assert out["summary"] == cb.summary(out["rows"])
+    src, new, dst = tmp_path / "m.json", tmp_path / "r.json", tmp_path / "o.json"
+    src.write_text(json.dumps(merged))
+    new.write_text(json.dumps(rerun))
+    assert cb.main(["merge", str(dst), str(src), str(new)]) == 1 and not dst.exists()
+    assert cb.main(["merge", "--replace", str(dst), str(src), str(new)]) == 0
+    assert len(json.loads(dst.read_text())["rows"]) == len(rows)
+
+
 def test_merge_refuses_different_devices(tmp_path):
     rows = _linear_rows(2)
     with pytest.raises(ValueError, match="different devices"):
