@@ -259,7 +259,7 @@ def test_merge_replace_puts_a_rerun_over_a_merged_file(tmp_path):
     merged = cb.merge([first, second], ["p0.json", "p1.json"])
     rerun_rows = [{**r, "nf4_us": -1.0} for r in rows if r["M"] <= 16]
     rerun = {**_part(dev, rerun_rows, part="0/1"), "environment": {"device": dev, "commit": "new"}}
-    with pytest.raises(ValueError, match="is in merged.json and in rerun.json"):
+    with pytest.raises(ValueError, match=r"is in merged\.json and in rerun\.json"):
         cb.merge([merged, rerun], ["merged.json", "rerun.json"])
     out = cb.merge([merged, rerun], ["merged.json", "rerun.json"], replace=True)
     assert sorted(map(cb._key, out["rows"])) == sorted(map(cb._key, rows))
