@@ -8,7 +8,7 @@ inversions). So on a CUDA GPU the first forward call of a key
     (GPU name, N, K, blocksize, nested, weight dtype, x dtype, M)     for M <= the last row of AUTOTUNE (tuned.json)
 
 races that row's candidates and the table's own pick on random weights of the same shape (never the caller's
-tensors), each launch rotating over enough copies to leave L2, in CUDA graphs (`triton.testing.do_bench_cudagraph`),
+tensors), each call rotating over enough copies to leave L2, in CUDA graphs (`triton.testing.do_bench_cudagraph`),
 two rounds, and takes the fastest (the table's pick unless another is more than TIE faster). The choice is kept in
 memory for the process and in `linear.json` under NF4_CACHE_DIR (default ~/.cache/nf4) for the next, keyed also
 by a fingerprint of the kernels' sources, the candidates and Triton's version, so that a changed kernel is raced
@@ -49,6 +49,10 @@ FILE = "linear.json"
 TIE = 0.01  # another candidate must be this much faster than the table's pick to replace it
 ROUNDS = 2  # races of every candidate, interleaved; a candidate's time is its fastest
 REP_MS = 0.25  # CUDA-graph time per candidate per round (do_bench_cudagraph's rep; it replays 10 such graphs)
+# calls a timed function makes: do_bench_cudagraph sizes its graph from a host-timed estimate, and a slow estimate
+# left one short call per graph, its replay overhead counted as the call's (race times 1.2-1.8x the call's on 13 of
+# 1,186 small H200 keys in a first run); CALLS per function keep at least that many calls in each graph
+CALLS = 16
 L2_MULTIPLE = 2  # rotating copies of the weight: enough to span this many L2 caches, at most MAX_COPIES
 MAX_COPIES = 8
 # (largest M, candidate config names), from tuned.json: the configs of the table's rows for those M
@@ -259,12 +263,12 @@ def race_configs(device: torch.device, key: Key, configs: tuple[LinearConfig, ..
         for _ in range(ROUNDS):
             for name, fn in runners.items():
                 ms = do_bench_cudagraph(fn, rep=REP_MS, return_mode="min")
-                times[name] = min(times.get(name, float("inf")), ms * 1e3)
+                times[name] = min(times.get(name, float("inf")), ms * 1e3 / CALLS)
         return times
 
 
 def _runner(config: LinearConfig, weights: list[NF4Weight], x: torch.Tensor, m: int):
-    """A function that runs one call of `config` per invocation, on the next of the rotating weights."""
+    """A function that runs CALLS calls of `config` per invocation, each on the next of the rotating weights."""
     n = weights[0].shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split, _ = split_k(config, weights[0], m, x.device)
@@ -283,7 +287,11 @@ def _runner(config: LinearConfig, weights: list[NF4Weight], x: torch.Tensor, m: 
             return run
         calls = [launches(w) for w in weights]
     cycle = itertools.cycle(calls)
-    return lambda: next(cycle)()
+
+    def run_calls():
+        for _ in range(CALLS):
+            next(cycle)()
+    return run_calls
 
 
 TUNER = Tuner()  # the process's

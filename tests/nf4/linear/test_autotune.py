@@ -217,15 +217,16 @@ def test_the_default_folder_is_under_the_home_cache(monkeypatch):
 
 @pytest.mark.parametrize("nested", [True, False])
 def test_the_synthetic_weight_is_a_weight_nf4_dequantizes(nested):
-    """What a race times has bitsandbytes' layout: nf4.dequantize (the interpreter on a CPU) takes it."""
+    """What a race times has bitsandbytes' layout: nf4.dequantize takes it (on a GPU, or in the interpreter)."""
     from nf4.dequant.api import dequantize_weight
 
-    w = autotune.synthetic_weight(16, 128, 64, nested, torch.bfloat16, "cpu", seed=3)
+    device = "cuda" if torch.cuda.is_available() and not runtime.interpreter_on() else "cpu"
+    w = autotune.synthetic_weight(16, 128, 64, nested, torch.bfloat16, device, seed=3)
     assert tuple(w.packed.shape) == (16 * 128 // 2, 1) and w.packed.dtype == torch.uint8
     assert w.absmax.numel() == 32 and (w.absmax2 is not None) == nested
     out = dequantize_weight(w)
     assert out.shape == (16, 128) and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
-    again = autotune.synthetic_weight(16, 128, 64, nested, torch.bfloat16, "cpu", seed=3)
+    again = autotune.synthetic_weight(16, 128, 64, nested, torch.bfloat16, device, seed=3)
     assert torch.equal(w.packed, again.packed) and torch.equal(w.absmax, again.absmax)
 
 
