@@ -307,6 +307,24 @@ def _key(r: dict) -> tuple:
     return r["N"], r["K"], r["dtype"], r.get("M", 0)
 
 
+def _part_commits(payload: dict) -> dict:
+    """{(N, K): commit} of a file's rows by the part that measured them, or {None: commit} where the file has one
+    commit: a merged file's parts are `i/n` parts of its selection (`select_part`)."""
+    parts = payload.get("parts") or [payload]
+    commits = {(q.get("environment") or {}).get("commit") for q in parts}
+    if len(commits) == 1:
+        return {None: commits.pop()}
+    try:
+        shapes = parse_shapes(payload.get("selection") or "all")
+        out = {}
+        for q in parts:
+            for shape in select_part(shapes, parse_part(q["part"])):
+                out[shape] = (q.get("environment") or {}).get("commit")
+        return out
+    except (KeyError, TypeError, ValueError, argparse.ArgumentTypeError):
+        return {}
+
+
 def merge(payloads: list[dict], names: list[str] | None = None, replace: bool = False) -> dict:
     """One file from the parts of one op's run on one device: rows joined (a row measured twice is refused), the
     summary recomputed, each part's environment and copy bandwidth kept under `parts` (the top level keeps the
@@ -325,9 +343,9 @@ def merge(payloads: list[dict], names: list[str] | None = None, replace: bool = 
         raise ValueError(f"parts of different ops cannot be merged: {sorted(map(str, ops))}")
     by_key, seen = {}, {}
     for name, p in zip(names, payloads, strict=True):
-        commits = {(q.get("environment") or {}).get("commit") for q in p.get("parts") or [p]}
-        commit = commits.pop() if len(commits) == 1 else None
+        commit_of = _part_commits(p)
         for r in p.get("rows", []):
+            commit = commit_of.get((r["N"], r["K"]), commit_of.get(None))
             if replace and commit and "commit" not in r:  # a file of rows from several runs: each row says its own
                 r = {**r, "commit": commit}
             if _key(r) in seen and not replace:
@@ -350,6 +368,56 @@ def merge(payloads: list[dict], names: list[str] | None = None, replace: bool = 
     out["complete"] = all(p.get("complete") for p in payloads)
     out["rows"] = rows
     out["summary"] = summary(rows)
+    out["row_commits"] = row_commits(out)
+    return out
+
+
+# --- the autotuner's races ------------------------------------------------------------------------
+
+
+def row_commits(payload: dict) -> dict[str, int]:
+    """Rows per commit of a catalog file: a row's own `commit` (a file merged with --replace), else its file's."""
+    commits = {(q.get("environment") or {}).get("commit") for q in payload.get("parts") or [payload]}
+    whole = commits.pop() if len(commits) == 1 else None
+    out: dict[str, int] = {}
+    for r in payload.get("rows", []):
+        c = str(r.get("commit") or whole or "unknown")[:7]
+        out[c] = out.get(c, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def races(race_files: list[dict], catalog: dict, before: dict | None = None, names=None) -> dict:
+    """The autotuner's kept races of one GPU (nf4/linear/autotune.py's linear.json, copied out of the run) judged
+    against the catalog run that made them: per M, the catalog's time of the chosen config over the fastest raced
+    time of its key (a race times a random weight of the shape in CUDA graphs, the catalog the quantized one: two
+    harnesses); which configs were chosen; the inversions of the catalog and, given `before` (the catalog file of
+    an earlier commit), of that one."""
+    entries: dict = {}
+    for f in race_files:
+        entries.update(f.get("entries") or {})
+    rows = {_key(r): r for r in catalog.get("rows", []) if r.get("nf4_us")}
+    by_m: dict[int, list[float]] = {}
+    chosen: dict[str, int] = {}
+    gpus = set()
+    for text, e in entries.items():
+        gpu, _fp, n, k, _bs, _nested, w_dt, x_dt, m = text.split("|")
+        gpus.add(gpu)
+        chosen[e["config"]] = chosen.get(e["config"], 0) + 1
+        r = rows.get((int(n), int(k), x_dt, int(m)))
+        if r is not None and w_dt == x_dt and e.get("us"):
+            by_m.setdefault(int(m), []).append(r["nf4_us"] / min(e["us"].values()))
+    judged = {str(m): {"keys": len(v), "median": statistics.median(v), "max": max(v),
+                       "over_10pct": sum(x > 1.1 for x in v)} for m, v in sorted(by_m.items())}
+    newest = (catalog.get("parts") or [catalog])[-1]
+    out = {"device": catalog.get("device"), "environment": newest.get("environment"), "gpus_in_keys": sorted(gpus),
+           "sources": names,
+           "about": "nf4.linear's autotuner: each key's raced times (us) and choice, and the catalog run's time of the "
+                    "choice over the fastest raced time, per M (experiments/catalog_bench.py races)",
+           "judged": judged, "chosen": dict(sorted(chosen.items(), key=lambda kv: -kv[1])),
+           "catalog": {"inversions": inversions(catalog.get("rows", [])), "row_commits": row_commits(catalog)},
+           "entries": entries}
+    if before is not None:
+        out["before"] = {"inversions": inversions(before.get("rows", [])), "row_commits": row_commits(before)}
     return out
 
 
@@ -732,12 +800,33 @@ def _parser() -> argparse.ArgumentParser:
     mg.add_argument("inputs", nargs="+")
     mg.add_argument("--replace", action="store_true",
                     help="a later input's row replaces an earlier one's (a re-run of some rows over a merged file)")
+    rc = sub.add_parser("races", help="judge the autotuner's races of one GPU against the catalog run that made them")
+    rc.add_argument("out")
+    rc.add_argument("inputs", nargs="+", help="the runs' linear.json files (NF4_CACHE_DIR), copied out")
+    rc.add_argument("--catalog", required=True, help="the catalog file of the same runs")
+    rc.add_argument("--before", help="the catalog file of an earlier commit (its inversions beside)")
     return ap
 
 
 def main(argv=None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
+    if args.op == "races":
+        try:
+            files = [json.loads(Path(p).read_text()) for p in args.inputs]
+            before = json.loads(Path(args.before).read_text()) if args.before else None
+            out = races(files, json.loads(Path(args.catalog).read_text()), before, list(args.inputs))
+        except (OSError, ValueError) as exc:
+            print(f"catalog-bench races: {exc}", file=sys.stderr)
+            return 1
+        timing.write_json(args.out, out)
+        print(f"wrote {args.out} ({len(out['entries'])} keys); chosen {out['chosen']}")
+        for m, j in out["judged"].items():
+            print(f"  M={m:>4}: {j['keys']} keys, catalog / fastest raced median {j['median']:.3f} max {j['max']:.3f}, "
+                  f"over 10 % on {j['over_10pct']}")
+        print(f"  inversions {out['catalog']['inversions']['count']}"
+              + (f" (before: {out['before']['inversions']['count']})" if before is not None else ""))
+        return 0
     if args.op == "merge":
         try:
             payloads = [json.loads(Path(p).read_text()) for p in args.inputs]

@@ -43,7 +43,9 @@ def load(doc: Document) -> dict:
            "race": load_present(doc, "labs/config_race_judged_{tag}.json",
                                 "experiments.labs.config_race --report --current", "config race paragraph"),
            "bulk": load_present(doc, "labs/gemv_bulk_{tag}.json", "experiments.labs.gemv_lut", "bulk lab table"),
-           "split": load_present(doc, "labs/gemv_split_{tag}.json", "experiments.labs.gemv_lut", "split lab table")}
+           "split": load_present(doc, "labs/gemv_split_{tag}.json", "experiments.labs.gemv_lut", "split lab table"),
+           "autotune": load_present(doc, "catalog/autotune_{tag}.json", "experiments catalog-bench races",
+                                    "autotuning paragraph")}
     if (doc.results / "labs/sass_sm90.json").exists():  # offline builds: no GPU, one file
         payload = doc.load("labs/sass_sm90.json", label="experiments.labs.sass_count", required_for="SASS table")
         out["sass"] = payload if isinstance(payload, dict) else None
@@ -108,6 +110,26 @@ def build(doc: Document, data: dict) -> None:
     _bulk(doc, data.get("bulk") or {})
     _sass(doc, data.get("sass"))
     _race(doc, data.get("race") or {})
+    _autotune(doc, data.get("autotune") or {}, data.get("linear") or {})
+
+
+def _autotune(doc: Document, races: dict, linear: dict) -> None:
+    """The autotuner's races per GPU: keys raced, the catalog's inversions before and after, and the catalog's time of
+    the choice over the fastest raced time (median over M of the per-M medians' range, rows over 10 %); the rows of
+    the linear catalog per commit."""
+    for tag, g, _ in GPUS:
+        r = races.get(tag) or {}
+        judged = [j for j in (r.get("judged") or {}).values() if isinstance(j, dict) and j.get("keys")]
+        doc.macro(f"NFautotuneKeys{g}", integer(len(r["entries"])) if r.get("entries") else NM)
+        doc.macro(f"NFautotuneJudged{g}", integer(sum(j["keys"] for j in judged)) if judged else NM)
+        doc.macro(f"NFautotuneOverTen{g}", integer(sum(j["over_10pct"] for j in judged)) if judged else NM)
+        doc.macro(f"NFautotuneMedianMax{g}", ratio(max(j["median"] for j in judged)) if judged else NM)
+        for when, stem in (("before", "Before"), ("catalog", "After")):
+            inv = ((r.get(when) or {}).get("inversions") or {})
+            doc.macro(f"NFautotuneInversions{stem}{g}", integer(inv["count"]) if "count" in inv else NM)
+        commits = (linear.get(tag) or {}).get("row_commits") or {}  # written by catalog-bench merge
+        doc.macro(f"NFcatLinearRowCommits{g}", tex(", ".join(f"{c} ({n:,} rows)" for c, n in commits.items()))
+                  if commits else NM)
 
 
 def _race(doc: Document, race: dict) -> None:

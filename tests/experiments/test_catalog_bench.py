@@ -302,3 +302,52 @@ def test_cli_without_cuda_exits_2_and_writes_nothing(tmp_path, op):
     assert proc.returncode == 2, proc.stderr
     assert "needs a CUDA GPU" in proc.stderr
     assert not out.exists() and not out.parent.exists()
+
+
+def test_races_judge_the_autotuner_against_its_catalog_run():
+    dev = "NVIDIA H200"
+    rows = _linear_rows(5)
+    catalog = {**_part(dev, rows, part="0/1"), "environment": {"device": dev, "commit": "abcdef123"}}
+    timed = [r for r in rows if r["nf4_us"] and r["M"] <= 16]
+    entries = {}
+    for r in timed:
+        text = f"{dev}|fp|{r['N']}|{r['K']}|64|1|{r['dtype']}|{r['dtype']}|{r['M']}"
+        entries[text] = {"config": "GEMV_MMA_WK4", "us": {"GEMV_MMA_WK4": r["nf4_us"] / 1.2, "GEMV_MMA16": 1e9}}
+    first = dict(list(entries.items())[: len(entries) // 2])
+    second = dict(list(entries.items())[len(entries) // 2:])
+    before = {**catalog, "rows": [{**r, "nf4_us": r["nf4_us"] and r["nf4_us"] * (2 if r["M"] == 1 else 1)}
+                                  for r in rows]}
+    out = cb.races([{"entries": first}, {"entries": second}], catalog, before, ["a.json", "b.json"])
+    assert out["entries"] == entries and out["gpus_in_keys"] == [dev] and out["chosen"] == {"GEMV_MMA_WK4": len(timed)}
+    assert sum(j["keys"] for j in out["judged"].values()) == len(timed)
+    for j in out["judged"].values():
+        assert j["median"] == pytest.approx(1.2) and j["max"] == pytest.approx(1.2) and j["over_10pct"] == j["keys"]
+    assert out["catalog"]["inversions"] == cb.inversions(rows)
+    assert out["before"]["inversions"]["count"] > out["catalog"]["inversions"]["count"]
+    assert out["catalog"]["row_commits"] == {"abcdef1": len(rows)}
+
+
+def test_row_commits_count_each_rows_own_commit_first():
+    rows = _linear_rows(3)
+    payload = {**_part("H100", rows), "environment": {"commit": "1111111aaa"}}
+    assert cb.row_commits(payload) == {"1111111": len(rows)}
+    stamped = {**payload, "rows": [{**r, "commit": "2222222bbb"} if r["M"] == 1 else r for r in rows]}
+    ones = sum(r["M"] == 1 for r in rows)
+    assert cb.row_commits(stamped) == {"1111111": len(rows) - ones, "2222222": ones}
+
+
+def test_merge_replace_gives_each_old_row_its_parts_commit():
+    dev = "NVIDIA H100 80GB HBM3"
+    rows = _linear_rows(13)
+    selection = ",".join(f"{n}x{k}" for n, k in SHAPES)
+    a = [r for r in rows if (r["N"], r["K"]) in SHAPES[0::2]]
+    b = [r for r in rows if (r["N"], r["K"]) in SHAPES[1::2]]
+    first = {**_part(dev, a), "environment": {"commit": "aaaaaaa1"}, "selection": selection}
+    second = {**_part(dev, b, part="1/2"), "environment": {"commit": "bbbbbbb2"}, "selection": selection}
+    merged = cb.merge([first, second], ["p0.json", "p1.json"])
+    rerun = {**_part(dev, [r for r in rows if r["M"] == 1], part="0/1"), "environment": {"commit": "ccccccc3"}}
+    out = cb.merge([merged, rerun], ["merged.json", "rerun.json"], replace=True)
+    for r in out["rows"]:
+        want = "ccccccc3" if r["M"] == 1 else "aaaaaaa1" if (r["N"], r["K"]) in SHAPES[0::2] else "bbbbbbb2"
+        assert r["commit"] == want
+    assert out["row_commits"] == cb.row_commits(out) and sum(out["row_commits"].values()) == len(rows)
