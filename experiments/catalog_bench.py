@@ -397,6 +397,7 @@ def races(race_files: list[dict], catalog: dict, before: dict | None = None, nam
         entries.update(f.get("entries") or {})
     rows = {_key(r): r for r in catalog.get("rows", []) if r.get("nf4_us")}
     by_m: dict[int, list[float]] = {}
+    by_subset: dict[str, list[float]] = {}
     chosen: dict[str, int] = {}
     gpus = set()
     for text, e in entries.items():
@@ -405,15 +406,21 @@ def races(race_files: list[dict], catalog: dict, before: dict | None = None, nam
         chosen[e["config"]] = chosen.get(e["config"], 0) + 1
         r = rows.get((int(n), int(k), x_dt, int(m)))
         if r is not None and w_dt == x_dt and e.get("us"):
-            by_m.setdefault(int(m), []).append(r["nf4_us"] / min(e["us"].values()))
-    judged = {str(m): {"keys": len(v), "median": statistics.median(v), "max": max(v),
-                       "over_10pct": sum(x > 1.1 for x in v)} for m, v in sorted(by_m.items())}
+            value = r["nf4_us"] / min(e["us"].values())
+            by_m.setdefault(int(m), []).append(value)
+            by_subset.setdefault(cat.subset(int(n), int(k)), []).append(value)
+
+    def judge(v: list[float]) -> dict:
+        return {"keys": len(v), "median": statistics.median(v), "max": max(v), "over_10pct": sum(x > 1.1 for x in v)}
+
+    judged = {str(m): judge(v) for m, v in sorted(by_m.items())}
     newest = (catalog.get("parts") or [catalog])[-1]
     out = {"device": catalog.get("device"), "environment": newest.get("environment"), "gpus_in_keys": sorted(gpus),
            "sources": names,
            "about": "nf4.linear's autotuner: each key's raced times (us) and choice, and the catalog run's time of the "
                     "choice over the fastest raced time, per M (experiments/catalog_bench.py races)",
-           "judged": judged, "chosen": dict(sorted(chosen.items(), key=lambda kv: -kv[1])),
+           "judged": judged, "judged_by_subset": {name: judge(v) for name, v in sorted(by_subset.items())},
+           "chosen": dict(sorted(chosen.items(), key=lambda kv: -kv[1])),
            "catalog": {"inversions": inversions(catalog.get("rows", [])), "row_commits": row_commits(catalog)},
            "entries": entries}
     if before is not None:

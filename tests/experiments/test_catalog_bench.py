@@ -320,6 +320,8 @@ def test_races_judge_the_autotuner_against_its_catalog_run():
     out = cb.races([{"entries": first}, {"entries": second}], catalog, before, ["a.json", "b.json"])
     assert out["entries"] == entries and out["gpus_in_keys"] == [dev] and out["chosen"] == {"GEMV_MMA_WK4": len(timed)}
     assert sum(j["keys"] for j in out["judged"].values()) == len(timed)
+    assert sum(j["keys"] for j in out["judged_by_subset"].values()) == len(timed)
+    assert set(out["judged_by_subset"]) <= {cat.FIT, cat.HELD_OUT}
     for j in out["judged"].values():
         assert j["median"] == pytest.approx(1.2) and j["max"] == pytest.approx(1.2) and j["over_10pct"] == j["keys"]
     assert out["catalog"]["inversions"] == cb.inversions(rows)
