@@ -5,15 +5,15 @@ fastest for a given shape still differs from the table's pick by up to 1.7x, and
 larger M run faster than a smaller one (results/labs/config_race_catalog_<gpu>.json; the catalog issue's
 inversions). So on a CUDA GPU the first forward call of a key
 
-    (GPU name, N, K, blocksize, nested, weight dtype, x dtype, M)     for M <= the last row of AUTOTUNE (tuned.json)
+    (GPU name, N, K, blocksize, nested, weight dtype, x dtype, M rounded up to a power of two), M <= MAX_M
 
-races that row's candidates and the table's own pick on random weights of the same shape (never the caller's
-tensors), each call rotating over enough copies to leave L2, in CUDA graphs (`triton.testing.do_bench_cudagraph`),
-two rounds, and takes the fastest (the table's pick unless another is more than TIE faster). The choice is kept in
-memory for the process and in `linear.json` under NF4_CACHE_DIR (default ~/.cache/nf4) for the next, keyed also
-by a fingerprint of the kernels' sources, the candidates and Triton's version, so that a changed kernel is raced
-again. Every candidate is an exact-operand kernel: the choice changes the speed and the order of the float32 sum,
-never the operand.
+races the table's pick and the candidates of that M's row of AUTOTUNE (tuned.json) at that M, on random weights of
+the same shape (never the caller's tensors), each call rotating over enough copies to leave L2, in CUDA graphs
+(`triton.testing.do_bench_cudagraph`), two rounds, and takes the fastest (the table's pick unless another is more
+than TIE faster). The choice is kept in memory for the process and in `linear.json` under NF4_CACHE_DIR (default
+~/.cache/nf4) for the next, keyed also by a fingerprint of the kernels' sources, the candidates and Triton's version,
+so that a changed kernel is raced again. Every candidate is an exact-operand kernel: the choice changes the speed and
+the order of the float32 sum, never the operand.
 
 No race (the table's pick) with NF4_AUTOTUNE=0, in Triton's interpreter, for the backward, during a CUDA-graph
 capture (a choice already made is still used), where fewer than two candidates can run the call, or when the race
@@ -77,6 +77,13 @@ class Key(NamedTuple):
         return "|".join((self.gpu, fingerprint, str(self.n), str(self.k), str(self.blocksize), str(int(self.nested)),
                          str(self.w_dtype).removeprefix("torch."), str(self.x_dtype).removeprefix("torch."),
                          str(self.m)))
+
+
+def bucket(m: int) -> int:
+    """The M a race is keyed by and run at: m rounded up to a power of two. Every M of a bucket takes its choice, so a
+    shape races at most once per bucket (prefills of many lengths do not race each), and the buckets' bounds are the
+    tuned table's row bounds (its rows and rules split M at powers of two)."""
+    return 1 << max(0, m - 1).bit_length()
 
 
 def enabled() -> bool:
@@ -147,19 +154,19 @@ class Tuner:
         """The config nf4.linear runs for M rows of x on `device`: the tuned table's (`tuned`), or where autotuning
         applies (module docstring) the raced choice."""
         gpu = self.device_name(device)
-        table = tuned(gpu, m, trans, n=n, k=k)
         if trans or not gpu or m > MAX_M or not enabled():
-            return table
-        key = Key(gpu, n, k, blocksize, bool(nested), w_dtype, x_dtype, m)
+            return tuned(gpu, m, trans, n=n, k=k)
+        top = bucket(m)
+        key = Key(gpu, n, k, blocksize, bool(nested), w_dtype, x_dtype, top)
         name = self.memory.get(key)
         if name is not None:
             return CONFIGS[name]
         with self.lock:
             name = self.memory.get(key)
             if name is None:
-                name = self._choose(device, key, table)
+                name = self._choose(device, key, tuned(gpu, top, n=n, k=k))
             if name is None:
-                return table
+                return tuned(gpu, m, n=n, k=k)
             self.memory[key] = name
         return CONFIGS[name]
 

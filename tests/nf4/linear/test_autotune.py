@@ -105,6 +105,24 @@ def test_each_key_field_is_its_own_choice(tune):
     assert len(tune.race) == 7 and len(set(tune.race)) == 7
 
 
+def test_each_power_of_two_bucket_of_m_races_once_at_its_top(tune):
+    assert [autotune.bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 100, 129, 300, 512)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 128, 256, 512, 512]
+    tune.race.times = _times(GEMV_MMA_WK4=7.0)
+    _pick(tune, m=3)
+    _pick(tune, m=4)
+    assert [key.m for key in tune.race] == [4]
+    tune.race.times = {NAMES[c]: 10.0 - i for i, c in enumerate(autotune.candidates(
+        300, tuned(H100, 512, n=SHAPE[0], k=SHAPE[1])))}
+    for m in (300, 257, 512):
+        _pick(tune, m=m)
+    assert [key.m for key in tune.race] == [4, 512]
+    for gpu in (H100, "NVIDIA H200"):  # the table's rows and rules split M where the buckets do
+        for n, k in (SHAPE, (14336, 4096), (512, 896), (28672, 3584), (1536, 8960), (152064, 3584)):
+            for m in range(1, autotune.MAX_M + 1):
+                assert tuned(gpu, m, n=n, k=k) is tuned(gpu, autotune.bucket(m), n=n, k=k), (gpu, n, k, m)
+
+
 def test_a_near_tie_keeps_the_table(tune):
     table = tuned(H100, 1, n=SHAPE[0], k=SHAPE[1])
     tune.race.times = _times(**{NAMES[table]: 10.0, "GEMV_MMA_WK4": 10.0 * (1 - autotune.TIE / 2)})
