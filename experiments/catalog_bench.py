@@ -388,13 +388,17 @@ def row_commits(payload: dict) -> dict[str, int]:
 
 def races(race_files: list[dict], catalog: dict, before: dict | None = None, names=None) -> dict:
     """The autotuner's kept races of one GPU (nf4/linear/autotune.py's linear.json, copied out of the run) judged
-    against the catalog run that made them: per M, the catalog's time of the chosen config over the fastest raced
+    against the catalog run that made them: per M, the raced time of the tuned table's pick (this commit's rules)
+    over that of the choice (`table_over_choice`), and the catalog's time of the chosen config over the fastest raced
     time of its key (a race times a random weight of the shape in CUDA graphs, the catalog the quantized one: two
     harnesses); which configs were chosen; the inversions of the catalog and, given `before` (the catalog file of
     an earlier commit), of that one."""
+    from nf4.linear.tuned import NAMES, tuned
+
     entries: dict = {}
     for f in race_files:
         entries.update(f.get("entries") or {})
+    gains: dict[int, list[float]] = {}
     rows = {_key(r): r for r in catalog.get("rows", []) if r.get("nf4_us")}
     by_m: dict[int, list[float]] = {}
     by_subset: dict[str, list[float]] = {}
@@ -404,6 +408,9 @@ def races(race_files: list[dict], catalog: dict, before: dict | None = None, nam
         gpu, _fp, n, k, _bs, _nested, w_dt, x_dt, m = text.split("|")
         gpus.add(gpu)
         chosen[e["config"]] = chosen.get(e["config"], 0) + 1
+        table = NAMES.get(tuned(gpu, int(m), n=int(n), k=int(k)))  # this commit's table, as the race's first entry
+        if table in (e.get("us") or {}) and e["config"] in e["us"]:
+            gains.setdefault(int(m), []).append(e["us"][table] / e["us"][e["config"]])
         r = rows.get((int(n), int(k), x_dt, int(m)))
         if r is not None and w_dt == x_dt and e.get("us"):
             value = r["nf4_us"] / min(e["us"].values())
@@ -414,12 +421,15 @@ def races(race_files: list[dict], catalog: dict, before: dict | None = None, nam
         return {"keys": len(v), "median": statistics.median(v), "max": max(v), "over_10pct": sum(x > 1.1 for x in v)}
 
     judged = {str(m): judge(v) for m, v in sorted(by_m.items())}
+    gain = {str(m): {"keys": len(v), "changed": sum(x > 1 for x in v), "median": statistics.median(v),
+                     "p90": sorted(v)[int(0.9 * len(v))], "max": max(v)} for m, v in sorted(gains.items())}
     newest = (catalog.get("parts") or [catalog])[-1]
     out = {"device": catalog.get("device"), "environment": newest.get("environment"), "gpus_in_keys": sorted(gpus),
            "sources": names,
            "about": "nf4.linear's autotuner: each key's raced times (us) and choice, and the catalog run's time of the "
                     "choice over the fastest raced time, per M (experiments/catalog_bench.py races)",
-           "judged": judged, "judged_by_subset": {name: judge(v) for name, v in sorted(by_subset.items())},
+           "table_over_choice": gain, "judged": judged,
+           "judged_by_subset": {name: judge(v) for name, v in sorted(by_subset.items())},
            "chosen": dict(sorted(chosen.items(), key=lambda kv: -kv[1])),
            "catalog": {"inversions": inversions(catalog.get("rows", [])), "row_commits": row_commits(catalog)},
            "entries": entries}

@@ -124,6 +124,10 @@ def _autotune(doc: Document, races: dict, linear: dict) -> None:
         doc.macro(f"NFautotuneJudged{g}", integer(sum(j["keys"] for j in judged)) if judged else NM)
         doc.macro(f"NFautotuneOverTen{g}", integer(sum(j["over_10pct"] for j in judged)) if judged else NM)
         doc.macro(f"NFautotuneMedianMax{g}", ratio(max(j["median"] for j in judged)) if judged else NM)
+        small = [g for m, g in (r.get("table_over_choice") or {}).items() if int(m) <= 16 and isinstance(g, dict)]
+        doc.macro(f"NFautotuneChangedSmall{g}", integer(sum(x["changed"] for x in small)) if small else NM)
+        doc.macro(f"NFautotuneKeysSmall{g}", integer(sum(x["keys"] for x in small)) if small else NM)
+        doc.macro(f"NFautotuneGainMaxSmall{g}", ratio(max(x["max"] for x in small)) if small else NM)
         for when, stem in (("before", "Before"), ("catalog", "After")):
             inv = ((r.get(when) or {}).get("inversions") or {})
             doc.macro(f"NFautotuneInversions{stem}{g}", integer(inv["count"]) if "count" in inv else NM)

@@ -322,6 +322,7 @@ def test_races_judge_the_autotuner_against_its_catalog_run():
     assert sum(j["keys"] for j in out["judged"].values()) == len(timed)
     assert sum(j["keys"] for j in out["judged_by_subset"].values()) == len(timed)
     assert set(out["judged_by_subset"]) <= {cat.FIT, cat.HELD_OUT}
+    assert all(g["median"] >= 1 and g["max"] >= 1 for g in out["table_over_choice"].values())  # the choice is fastest
     for j in out["judged"].values():
         assert j["median"] == pytest.approx(1.2) and j["max"] == pytest.approx(1.2) and j["over_10pct"] == j["keys"]
     assert out["catalog"]["inversions"] == cb.inversions(rows)
