@@ -83,6 +83,9 @@ PEER_CALLS = {
 TIMING_S, HOST_CALL_S, SHAPE_S, MIN_CALL_US = 0.012, 20e-6, 0.3, 3.0
 COMPILE_S = {"dequant": 8.0, "linear": 120.0}  # the first shape's extra seconds (Triton's compiles), same run
 EST_TFLOPS = 500.0  # a rough sustained dense 16-bit rate for the estimate
+# nf4.linear's race on the first call of a shape and M (nf4/linear/autotune.py, up to its MAX_M): about 0.3 s a key by
+# the pace of session 29's H200 catalog runs (1,248 rows of 48 shapes in 525 s, against about 0.22 s a row before)
+RACE_S, RACE_MAX_M = 0.3, 512
 
 
 # --- arguments -----------------------------------------------------------------------------------
@@ -171,9 +174,12 @@ def _timing_s(est_us: float, count: int, calls: int, reps: int) -> float:
 
 
 def estimate_s(op: str, shapes, dtypes, ms=MS, *, copy_gbs: float = 3000.0, calls: int = CALLS, reps: int = REPS,
-               unsloth: bool = True) -> float:
+               unsloth: bool = True, races: bool | None = None) -> float:
     """A rough estimate of a run's seconds (Triton's first compiles not counted): per timing TIMING_S of host work
-    plus its calls at the byte floor (and, for the linear, at EST_TFLOPS where that is slower, the peers 1.5x)."""
+    plus its calls at the byte floor (and, for the linear, at EST_TFLOPS where that is slower, the peers 1.5x); for
+    the linear with autotuning on (races: None reads NF4_AUTOTUNE), RACE_S per first call of an M it races."""
+    if races is None:
+        races = os.environ.get("NF4_AUTOTUNE", "1").strip() != "0"
     total = 0.0
     for n, k in shapes:
         for dt in dtypes:
@@ -187,6 +193,8 @@ def estimate_s(op: str, shapes, dtypes, ms=MS, *, copy_gbs: float = 3000.0, call
                 continue
             count = timing.rotation_count(weight_bytes(n, k))
             for m in ms:
+                if races and m <= RACE_MAX_M:
+                    total += RACE_S
                 est = max(linear_bytes(n, k, m, e) / (copy_gbs * 1e3), 2.0 * m * n * k / (EST_TFLOPS * 1e6))
                 timings = 4 + (2 if m == 1 else 0) - (0 if unsloth or m != 1 else 1)
                 total += _timing_s(est, count, calls, reps) + _timing_s(1.5 * est, count, calls, reps) * (timings - 1)

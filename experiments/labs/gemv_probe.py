@@ -3,12 +3,17 @@
     ncu --nvtx --nvtx-include "probe/" --set full --import-source yes -o prof \\
         python -m experiments.labs.gemv_probe --shape 14336x4096 --m 1 --providers product pair16 none same_bytes
 
+The TMA skeleton's controls, step by step (bytes only, the absmax chain, MMA fragments with x fixed, x loaded only
+in the lanes of real rows, x loaded everywhere, then the prmt decode):
+
+    ... --providers t_stream4x2 t_absmax4x2 t_none4x2_nox t_none4x2_xp t_none4x2 t_prmt4x2_xp same_bytes
+
 Providers: "product" (nf4.linear as its table picks), "product:<kernel>" (nf4.linear with
 LinearConfig(kernel=<kernel>) at its defaults plus --fields), a lab candidate of experiments.labs.gemv_lut
-(CANDIDATES), "same_bytes" (F.linear on a bf16 [N, K/4] matrix: cuBLAS's GEMV reading as many bytes) and "dense"
-(F.linear on the bf16 [N, K] weight). Each is called three times outside the range (compiles, caches), then once
-inside it; the order of the providers is printed, so that the profile's launches can be named. Weights: one
-bitsandbytes NF4 weight (blocksize 64, nested absmax), x random.
+(CANDIDATES, and the stream, staged, deep and bulk skeletons' own), "same_bytes" (F.linear on a bf16 [N, K/4]
+matrix: cuBLAS's GEMV reading as many bytes) and "dense" (F.linear on the bf16 [N, K] weight). Each is called three
+times outside the range (compiles, caches), then once inside it; the order of the providers is printed, so that the
+profile's launches can be named. Weights: one bitsandbytes NF4 weight (blocksize 64, nested absmax), x random.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ def providers(names, x, packed, qs, n: int, k: int, fields: dict):
             yield name, lambda name=name: gemv_lut.deep.linear(x, packed, qs, name)
         elif name in gemv_lut.staged.CANDIDATES:
             yield name, lambda name=name: gemv_lut.staged.linear(x, packed, qs, name)
+        elif name in gemv_lut.bulk.CANDIDATES:  # the TMA skeleton (b_*, t_*): its tensor map made once, first
+            gemv_lut.bulk.prepare(packed, qs)
+            yield name, lambda name=name: gemv_lut.bulk.linear(x, packed, qs, name)
         else:
             p = gemv_lut.plan(n, k, m, name, sms)
             out = torch.empty((m, n), dtype=x.dtype, device="cuda")

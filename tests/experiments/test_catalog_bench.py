@@ -225,6 +225,12 @@ def test_floors_count_the_bytes():
     assert cb.dequant_bytes(n, k, 2) == weight + 2 * n * k
     est = cb.estimate_s("linear", [(n, k)], ["bf16"])
     assert 0 < est < cb.estimate_s("linear", [(n, k)], ["bf16", "fp16"])
+    from nf4.linear import autotune
+
+    assert cb.RACE_MAX_M == autotune.MAX_M
+    raced = sum(m <= autotune.MAX_M for m in cb.MS)
+    assert cb.estimate_s("linear", [(n, k)], ["bf16"], races=True) == pytest.approx(
+        cb.estimate_s("linear", [(n, k)], ["bf16"], races=False) + raced * cb.RACE_S)
 
 
 def _part(device, rows, op="linear", part="0/2"):
