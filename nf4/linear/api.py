@@ -127,10 +127,10 @@ def run(x, packed, qs, entry: _Entry, bias, *, trans: bool = False, config: Line
         return torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     key = (m, x.dtype, bias is not None, trans, config, ftz)
     if config is None:
-        w = entry.w
-        config = pick(x.device, m, trans, entry.N, entry.K, w.blocksize, w.nested, w.dtype, x.dtype)
+        state = entry.w  # the table's or the autotuner's choice (a race on a first call: nf4.linear.autotune)
+        config = pick(x.device, m, trans, entry.N, entry.K, state.blocksize, state.nested, state.dtype, x.dtype)
     if config.kernel == "dequant":
-        entry.launches[key] = _DEQUANT  # the same key always takes this path (the table depends on nothing else)
+        entry.launches[key] = _DEQUANT  # the same key always takes this path (the choice depends on nothing else)
         return _dequant_run(x2, packed, qs, bias, trans, ftz).reshape(*lead, n_out)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     plan = entry.launches.get(key)
