@@ -337,8 +337,8 @@ def merge(payloads: list[dict], names: list[str] | None = None, replace: bool = 
     """One file from the parts of one op's run on one device: rows joined (a row measured twice is refused), the
     summary recomputed, each part's environment and copy bandwidth kept under `parts` (the top level keeps the
     first's). replace: a later part's row replaces an earlier one's (a re-run of some rows, e.g. --ms 1,2,4,8,16, over
-    a merged file); a merged input's own parts are listed, each with the rows of it that are left. ValueError for
-    parts of different devices or ops."""
+    a merged file); a merged input's own parts are listed, then a line with how many of its rows are left.
+    ValueError for parts of different devices or ops."""
     if not payloads:
         raise ValueError("merge needs at least one part")
     names = names or [f"part {i}" for i in range(len(payloads))]
@@ -384,12 +384,11 @@ def merge(payloads: list[dict], names: list[str] | None = None, replace: bool = 
 
 
 def row_commits(payload: dict) -> dict[str, int]:
-    """Rows per commit of a catalog file: a row's own `commit` (a file merged with --replace), else its file's."""
-    commits = {(q.get("environment") or {}).get("commit") for q in payload.get("parts") or [payload]}
-    whole = commits.pop() if len(commits) == 1 else None
+    """Rows per commit of a catalog file: a row's own `commit` (a file merged with --replace), else its part's."""
+    commit_of = _part_commits(payload)
     out: dict[str, int] = {}
     for r in payload.get("rows", []):
-        c = str(r.get("commit") or whole or "unknown")[:7]
+        c = str(r.get("commit") or commit_of.get((r["N"], r["K"]), commit_of.get(None)) or "unknown")[:7]
         out[c] = out.get(c, 0) + 1
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
