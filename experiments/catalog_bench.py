@@ -179,7 +179,9 @@ def estimate_s(op: str, shapes, dtypes, ms=MS, *, copy_gbs: float = 3000.0, call
     plus its calls at the byte floor (and, for the linear, at EST_TFLOPS where that is slower, the peers 1.5x); for
     the linear with autotuning on (races: None reads NF4_AUTOTUNE), RACE_S per first call of an M it races."""
     if races is None:
-        races = os.environ.get("NF4_AUTOTUNE", "1").strip() != "0"
+        from nf4.linear import autotune
+
+        races = autotune.enabled()
     total = 0.0
     for n, k in shapes:
         for dt in dtypes:

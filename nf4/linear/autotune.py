@@ -87,8 +87,11 @@ def bucket(m: int) -> int:
 
 
 def enabled() -> bool:
-    """Whether races may run (NF4_AUTOTUNE is not "0")."""
-    return os.environ.get(ENV, "1").strip() != "0"
+    """Whether races may run: NF4_AUTOTUNE unset, empty or "1"; "0" turns them off; any other value is refused."""
+    value = os.environ.get(ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV} must be 0 (no autotuning) or 1 (autotuning on first use, the default), got {value!r}")
+    return value != "0"
 
 
 def cache_path() -> Path:

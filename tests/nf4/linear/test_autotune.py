@@ -140,6 +140,21 @@ def test_switched_off_it_races_nothing(tune, monkeypatch):
     assert _pick(tune) is tuned(H100, 1, n=SHAPE[0], k=SHAPE[1]) and not tune.race
 
 
+@pytest.mark.parametrize("value", ["false", "off", "2", "yes"])
+def test_a_switch_value_other_than_0_or_1_is_refused(tune, monkeypatch, value):
+    monkeypatch.setenv(autotune.ENV, value)
+    with pytest.raises(ValueError, match=f"NF4_AUTOTUNE must be 0 .* or 1 .*got '{value}'"):
+        _pick(tune)
+    assert not tune.race
+
+
+@pytest.mark.parametrize("value", ["", " 1 "])
+def test_an_empty_switch_or_1_races(tune, monkeypatch, value):
+    monkeypatch.setenv(autotune.ENV, value)
+    tune.race.times = _times(GEMV_MMA_WK4=1.0)
+    assert _pick(tune) is CONFIGS["GEMV_MMA_WK4"]
+
+
 def test_no_race_for_the_backward_past_the_last_row_or_in_the_interpreter(tune):
     tune.race.times = {"DEQUANT": 1.0}
     assert _pick(tune, m=64, trans=True) is tuned(H100, 64, True, n=SHAPE[0], k=SHAPE[1])
