@@ -145,13 +145,13 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2
             code2: torch.Tensor | None, offset: torch.Tensor | None, code: torch.Tensor, code_pairs: torch.Tensor,
             dummy: torch.Tensor, bias: torch.Tensor | None, n: int, k: int, blocksize: int, w_dtype: torch.dtype,
             ftz: bool, trans: bool) -> torch.Tensor:
-    """x @ W^T + bias (trans: x @ W) for x of shape (M, K) (trans: (M, N)); the tuned table's config."""
+    """x @ W^T + bias (trans: x @ W) for x of shape (M, K) (trans: (M, N)); the table's or the autotuned config."""
     from torch.library import wrap_triton
 
     w = _weight(packed, absmax, absmax2, code2, offset, n, k, blocksize, w_dtype)
     m = x.shape[0]
     n_out = k if trans else n
-    config = pick(x.device, m, trans, n, k, blocksize, absmax2 is not None, w_dtype, x.dtype)
+    config = pick(x.device, m, trans, n, k, blocksize, w.nested, w_dtype, x.dtype)
     if config.kernel != "dequant":
         config = launch_config(config, w, x, m, trans)
     if config.kernel == "dequant":  # the table's, or a kernel's fallback
